@@ -1,0 +1,1 @@
+"""idem: exactly-once sinks on at-least-once delivery."""

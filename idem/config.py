@@ -1,0 +1,191 @@
+"""One frozen, validated configuration object, also readable from ``IDEM_*`` variables.
+
+Settings resolve in one place: explicit keyword arguments win over the
+environment, which wins over the defaults below. Every refusal names the
+setting and the limit it broke.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
+from idem.errors import ConfigError
+
+_GROUP = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)?$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+MINUTE_MS = 60_000
+DAY_MS = 86_400_000
+
+
+class DedupMode(StrEnum):
+    """How much a claim trusts Redis."""
+
+    INDEX = "index"
+    """Redis is a complete index of the ledger (checked by watermark); O(recent) per batch."""
+    STRICT = "strict"
+    """Every claimed key is also checked against the ledger's whole dedup window."""
+
+
+class MismatchPolicy(StrEnum):
+    """What to do when a completed key arrives again with a different payload."""
+
+    ACCEPT = "accept"
+    WARN = "warn"
+    RAISE = "raise"
+    DEAD_LETTER = "dead_letter"
+
+
+def parse_duration_ms(value: str | int | float, *, setting: str) -> int:
+    """Parse ``"300"`` (ms), ``"10s"``, ``"5m"``, ``"2h"``, ``"7d"`` into milliseconds."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{setting}: expected a duration, got {value!r}")
+    if isinstance(value, int | float):
+        return int(value)
+    match = _DURATION.match(value.strip().lower())
+    if match is None:
+        raise ConfigError(
+            f"{setting}: {value!r} is not a duration; use a whole number with an "
+            "optional unit ms, s, m, h or d (e.g. '5m', '7d'); no unit means ms"
+        )
+    return int(match.group(1)) * _UNIT_MS[match.group(2) or "ms"]
+
+
+def _format_ms(ms: int) -> str:
+    seconds, _ = divmod(ms, 1000)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours} h {minutes} min {secs} s"
+
+
+def _check_range(name: str, value: int, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected a whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: {value} is outside the allowed range {low}..{high}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdemConfig:
+    """Everything idem needs to know about one consumer group.
+
+    Paths default to ``<data_dir>/<group>/{ledger,dlq,retry-journal}``.
+    """
+
+    group: str
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    data_dir: str = "./idem-data"
+    ledger_path: str | None = None
+    dlq_path: str | None = None
+    journal_path: str | None = None
+    buckets: int = 16
+    max_key_bytes: int = 512
+    lease_ms: int = 5 * MINUTE_MS
+    dedup_window_ms: int = 7 * DAY_MS
+    mode: DedupMode = DedupMode.INDEX
+    delay_levels: DelayLevels = field(default_factory=DelayLevels.parse)
+    max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES
+    consume_timeout_ms: int = 15 * MINUTE_MS
+    mismatch_policy: MismatchPolicy = MismatchPolicy.WARN
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, str) or not _GROUP.match(self.group):
+            raise ConfigError(
+                f"group: {self.group!r} must be 1..200 characters of letters, digits, "
+                "'_', '.', '-' (it becomes part of Redis hash tags and Delta paths)"
+            )
+        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                f"redis_url: {self.redis_url!r} must start with redis://, rediss:// or unix://"
+            )
+        _check_range("buckets", self.buckets, 1, 1024)
+        _check_range("max_key_bytes", self.max_key_bytes, 1, 65_536)
+        _check_range("lease_ms", self.lease_ms, 1_000, 7 * DAY_MS)
+        _check_range("max_reconsume_times", self.max_reconsume_times, 0, 1_000)
+        _check_range("consume_timeout_ms", self.consume_timeout_ms, 1_000, DAY_MS)
+        _check_range("dedup_window_ms", self.dedup_window_ms, 1_000, 3650 * DAY_MS)
+        if isinstance(self.delay_levels, str):
+            object.__setattr__(self, "delay_levels", DelayLevels.parse(self.delay_levels))
+        for name, enum in (("mode", DedupMode), ("mismatch_policy", MismatchPolicy)):
+            raw = getattr(self, name)
+            try:
+                object.__setattr__(self, name, enum(raw))
+            except ValueError:
+                allowed = ", ".join(m.value for m in enum)
+                raise ConfigError(f"{name}: {raw!r} is not one of {allowed}") from None
+        horizon = self.retry_horizon_ms
+        if self.dedup_window_ms < horizon:
+            raise ConfigError(
+                f"dedup_window_ms: {_format_ms(self.dedup_window_ms)} is shorter than the "
+                f"retry horizon {_format_ms(horizon)} (the delay ladder over "
+                f"{self.max_reconsume_times} reconsumes); a retried message would no "
+                "longer be recognised as a duplicate"
+            )
+
+    @property
+    def retry_horizon_ms(self) -> int:
+        """The longest a message can spend in retries before it is dead-lettered."""
+        return self.delay_levels.retry_horizon_ms(self.max_reconsume_times)
+
+    @property
+    def group_dir(self) -> str:
+        """``<data_dir>/<group>``: where this group's tables live by default."""
+        return str(Path(self.data_dir) / self.group)
+
+    @property
+    def resolved_ledger_path(self) -> str:
+        """The ledger table's location."""
+        return self.ledger_path or str(Path(self.group_dir) / "ledger")
+
+    @property
+    def resolved_dlq_path(self) -> str:
+        """The ``%DLQ%<group>`` table's location."""
+        return self.dlq_path or str(Path(self.group_dir) / "dlq")
+
+    @property
+    def resolved_journal_path(self) -> str:
+        """The Delta retry journal's location."""
+        return self.journal_path or str(Path(self.group_dir) / "retry-journal")
+
+    def with_changes(self, **changes: Any) -> IdemConfig:
+        """A copy with some settings changed (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> IdemConfig:
+        """Build from ``IDEM_<SETTING>`` variables (e.g. ``IDEM_GROUP``, ``IDEM_LEASE_MS``).
+
+        Durations accept units (``IDEM_DEDUP_WINDOW_MS=7d``). Keyword overrides win.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            variable = f"IDEM_{f.name.upper()}"
+            if f.name in overrides or variable not in env:
+                continue
+            raw = env[variable]
+            if f.name.endswith("_ms"):
+                values[f.name] = parse_duration_ms(raw, setting=variable)
+            elif f.name in {"buckets", "max_key_bytes", "max_reconsume_times"}:
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise ConfigError(f"{variable}: {raw!r} is not a whole number") from None
+            else:
+                values[f.name] = raw
+        values.update(overrides)
+        if "group" not in values:
+            raise ConfigError("group: not set (pass group=... or set IDEM_GROUP)")
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""idem.spark: PySpark glue (exactly-once foreachBatch, retry stream, Delta sinks)."""

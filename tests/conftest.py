@@ -1,0 +1,73 @@
+"""Shared fixtures: a real redis-server per test session, fakeredis, clocks, tmp tables.
+
+A real service that is missing fails loudly under CI (``CI=true``); on a
+developer machine the tests that need it are skipped with the install hint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from idem.clock import ManualClock
+from idem.redis_server import RedisServer, redis_server_binary
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def _require_redis_server() -> None:
+    if redis_server_binary() is None:
+        message = "redis-server is not installed (apt-get install redis-server)"
+        if IN_CI:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the whole run; tests flush what they use."""
+    _require_redis_server()
+    server = RedisServer(appendonly=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def real_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client to the shared real server, flushed before each test."""
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def fake_redis() -> Iterator[redis.Redis]:
+    """fakeredis with Lua, for the fast unit tier only."""
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.close()
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def any_redis(request: pytest.FixtureRequest) -> redis.Redis:
+    """The behaviour suite runs against both backends."""
+    if request.param == "fakeredis":
+        return request.getfixturevalue("fake_redis")  # type: ignore[no-any-return]
+    return request.getfixturevalue("real_redis")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """A clock that moves only when the test says so."""
+    return ManualClock()
