@@ -1,0 +1,76 @@
+"""The ``idem`` command line.
+
+Subcommands are contributed by each layer through a ``register(subparsers)``
+function: the core's own (``ledger``), ``idem.retry.cli`` (``schedule``,
+``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
+looked up by name so the core does not import the layers built on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Protocol, cast
+
+from idem.errors import IdemError
+
+LAYERS = ("idem.ledger.cli", "idem.retry.cli", "idem.spark.cli")
+"""Modules that may contribute subcommands; a missing one is simply absent."""
+
+
+class _Registrar(Protocol):
+    def __call__(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+        ...
+
+
+Handler = Callable[[argparse.Namespace], int]
+"""A subcommand: sets ``func`` with ``parser.set_defaults(func=...)`` and returns an exit code."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every available layer's subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="idem",
+        description="Exactly-once sinks on at-least-once delivery (dedup, retries, DLQ).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in LAYERS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and name.startswith(exc.name):
+                continue
+            raise
+        register = getattr(module, "register", None)
+        if register is not None:
+            cast(_Registrar, register)(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``idem`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func = cast("Handler | None", getattr(args, "func", None))
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return func(args)
+    except IdemError as exc:
+        print(f"idem: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
