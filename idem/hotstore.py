@@ -1,0 +1,601 @@
+"""The hot store of the dedup layer: business-key claims in Redis, one Lua call per bucket.
+
+Redis is an index over the Delta ledger. Every bucket of a group has its own hash
+tag, so a bucket lives in one Redis Cluster slot::
+
+    idem:{<group>:<bucket>}:k:<key>  P|<owner>|<lease_until_ms>|<attempt>  IN_PROGRESS
+                                     C|<fingerprint>|<completed_at_ms>     COMPLETED (PX = window)
+    idem:{<group>:<bucket>}:wm       watermark: every ledger version <= it is indexed here
+
+A missing watermark means the bucket's index is unknown (FLUSHALL, empty restart):
+claims there answer "stale", never "new", until :meth:`RedisHotStore.index_completed`
+rebuilds it. Time comes from the injected :class:`~idem.clock.Clock`, never Redis ``TIME``.
+
+Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (the
+scripts in ``idem/lua/`` document KEYS, ARGV and replies). Keys travel as plain ARGV
+and the scripts prefix them, which keeps Python cheap; every name they build shares
+the hash tag of the declared ``KEYS[1]``. redis-py may resend a pipeline after a
+connection error: every script is safe to run twice (a re-sent claim is ``retaken``).
+Needs Redis >= 7.0.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib import resources
+from itertools import chain
+from typing import Any, Protocol
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import IdemConfig
+from idem.errors import StoreUnavailable, UnsafeRedisConfig
+from idem.keys import bucket_of
+
+__all__ = [
+    "ClaimResult",
+    "CompleteResult",
+    "HotStore",
+    "KeyState",
+    "KeyStatus",
+    "RedisHotStore",
+]
+
+log = logging.getLogger(__name__)
+
+CLAIM_CHUNK = 1_000  # keys per claim/release/lookup call (1k-2k measured best)
+COMPLETE_CHUNK = 1_000  # keys per complete call
+INDEX_CHUNK = 5_000  # keys per ledger-load call
+INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at once
+SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/load
+MAX_OWNER_CHARS = 256
+
+_GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+
+
+class KeyStatus(StrEnum):
+    """The state of a key in the hot store."""
+
+    ABSENT = "ABSENT"
+    IN_PROGRESS = "IN_PROGRESS"
+    COMPLETED = "COMPLETED"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """What Redis holds for one key (fields not meaningful for the status are ``None``)."""
+
+    status: KeyStatus
+    owner: str | None = None
+    lease_until_ms: int | None = None
+    attempt: int | None = None
+    fingerprint: str | None = None
+    completed_at_ms: int | None = None
+
+    def lease_expired(self, now_ms: int) -> bool:
+        """Whether an IN_PROGRESS claim's lease has run out at ``now_ms``."""
+        return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
+
+
+ABSENT = KeyState(KeyStatus.ABSENT)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """How a claim went; every key given appears in exactly one of
+    ``claimed``, ``duplicates``, ``busy`` or ``stale``.
+    """
+
+    claimed: list[str]
+    """Keys this owner now holds (new, re-taken or taken over from an expired lease)."""
+    retaken: list[str]
+    """Subset of ``claimed`` this owner already held (a replay of the same batch)."""
+    duplicates: dict[str, str]
+    """COMPLETED keys and the payload fingerprint stored with them."""
+    busy: list[str]
+    """Keys another owner holds with a live lease."""
+    stale_buckets: frozenset[int]
+    """Buckets to catch up (or rebuild) before claiming ``stale`` again."""
+    stale: list[str] = field(default_factory=list)
+    """Keys not examined: their bucket's index is behind ``min_version`` or unknown."""
+    reclaimed: list[str] = field(default_factory=list)
+    """Subset of ``claimed`` taken over from an expired lease (attempt + 1)."""
+
+
+@dataclass(frozen=True)
+class CompleteResult:
+    """How a completion went."""
+
+    completed: int
+    """Keys that are COMPLETED now (written by this call, or already completed)."""
+    fenced: list[str]
+    """Keys left alone because another owner holds a live lease on them."""
+    watermark_advanced: bool
+    """Whether every bucket's watermark now covers the ledger version."""
+    lagging_buckets: frozenset[int] = frozenset()
+    """Buckets whose watermark did not reach the version (missing, behind, or fenced)."""
+
+
+class HotStore(Protocol):
+    """The primitives the dedup layer needs from a hot store."""
+
+    group: str
+    buckets: int
+
+    def check_eviction_policy(self) -> None:
+        """Refuse a store that may drop keys silently."""
+        ...
+
+    def claim(
+        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
+    ) -> ClaimResult:
+        """Claim keys for ``owner`` where the index has reached ``min_version``."""
+        ...
+
+    def complete(
+        self,
+        keys_by_bucket: Mapping[int, Sequence[str]],
+        owner: str,
+        fingerprints: Mapping[str, str],
+        *,
+        version: int,
+        completed_at_ms: int | None = None,
+    ) -> CompleteResult:
+        """Mark keys COMPLETED after ledger ``version`` and advance the watermarks."""
+        ...
+
+    def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:
+        """Give back ``owner``'s claims; return how many were released."""
+        ...
+
+    def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
+        """The stored state of each key."""
+        ...
+
+    def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
+        """Each bucket's indexed ledger version (``None``: unknown, rebuild needed)."""
+        ...
+
+    def index_completed(
+        self,
+        bucket: int,
+        keys: Sequence[str],
+        fingerprints: Sequence[str],
+        completed_at_ms: Sequence[int],
+        *,
+        to_version: int,
+        from_version: int | None,
+    ) -> bool:
+        """Load ledger keys as COMPLETED and move the watermark; return whether it moved."""
+        ...
+
+
+def _load_script(client: redis.Redis, name: str) -> Script:
+    text = resources.files("idem").joinpath("lua", name).read_text(encoding="utf-8")
+    return client.register_script(text)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _version(name: str, value: int) -> str:
+    # Any whole number: -1 is the version of a table that does not exist yet, and a
+    # caller may pass lower values on purpose (e.g. "complete, never move the watermark").
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: {value!r} is not a ledger version (a whole number)")
+    return str(value)
+
+
+class RedisHotStore:
+    """Claims, completions and the ledger index of one consumer group in Redis.
+
+    ``client`` is a redis-py client (``decode_responses`` either way); ``lease_ms``
+    is how long a claim holds a key, ``completed_ttl_ms`` the dedup window a
+    COMPLETED key stays in Redis.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        group: str,
+        buckets: int,
+        lease_ms: int,
+        completed_ttl_ms: int,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        if not isinstance(group, str) or not _GROUP.fullmatch(group):
+            raise ValueError(
+                f"group: {group!r} must be 1..200 characters of letters, digits, '_', '.', '-'"
+            )
+        for name, value, low in (
+            ("buckets", buckets, 1),
+            ("lease_ms", lease_ms, 1),
+            ("completed_ttl_ms", completed_ttl_ms, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: {value!r} must be a whole number >= {low}")
+        self.client = client
+        self.group = group
+        self.buckets = buckets
+        self.lease_ms = lease_ms
+        self.completed_ttl_ms = completed_ttl_ms
+        self.clock = clock
+        tags = [f"idem:{{{group}:{bucket}}}" for bucket in range(buckets)]
+        self._prefix = [f"{tag}:k:" for tag in tags]
+        self._wm = [f"{tag}:wm" for tag in tags]
+        self._tags = tags
+        self._claim = _load_script(client, "claim.lua")
+        self._complete = _load_script(client, "complete.lua")
+        self._release = _load_script(client, "release.lua")
+        self._index = _load_script(client, "index.lua")
+
+    @classmethod
+    def from_config(
+        cls, config: IdemConfig, *, client: redis.Redis | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> RedisHotStore:
+        """A store for ``config.group``; a client is built from ``config.redis_url`` if not given.
+
+        The built client gives up after 3 quick reconnect attempts and a 30 s read
+        timeout, so an unreachable Redis surfaces as :class:`StoreUnavailable`.
+        """
+        if client is None:
+            client = redis.Redis.from_url(
+                config.redis_url,
+                socket_timeout=30.0,
+                socket_connect_timeout=5.0,
+                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
+                health_check_interval=30,
+            )
+        return cls(
+            client,
+            group=config.group,
+            buckets=config.buckets,
+            lease_ms=config.lease_ms,
+            completed_ttl_ms=config.dedup_window_ms,
+            clock=clock,
+        )
+
+    # -- names -------------------------------------------------------------------------
+
+    def key_name(self, key: str) -> str:
+        """The Redis name of a business key (its bucket computed here)."""
+        return self._prefix[bucket_of(key, self.buckets)] + key
+
+    def watermark_name(self, bucket: int) -> str:
+        """The Redis name of a bucket's watermark."""
+        return self._wm[self._bucket(bucket)]
+
+    # -- checks ------------------------------------------------------------------------
+
+    def check_eviction_policy(self) -> None:
+        """Refuse a Redis that may evict keys: ``maxmemory-policy`` must be ``noeviction``.
+
+        An evicted COMPLETED key would let a duplicate through unnoticed. When
+        ``CONFIG`` is not allowed (ACL, managed Redis) the policy cannot be read:
+        a warning is logged and the check passes.
+        """
+        try:
+            reply = self.client.config_get("maxmemory-policy")
+        except redis.ResponseError as exc:
+            log.warning(
+                "idem could not read Redis maxmemory-policy (%s); make sure it is "
+                "'noeviction', or evicted keys will let duplicates through",
+                exc,
+            )
+            return
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis CONFIG GET maxmemory-policy failed: {exc}") from exc
+        raw = next((v for k, v in reply.items() if k and _text(k) == "maxmemory-policy"), None)
+        policy = None if raw is None else _text(raw)
+        if policy is None:
+            log.warning("Redis did not report maxmemory-policy; make sure it is 'noeviction'")
+            return
+        if policy != "noeviction":
+            raise UnsafeRedisConfig(
+                f"Redis maxmemory-policy is {policy!r}: under memory pressure Redis would "
+                "evict idem's keys silently, and an evicted COMPLETED key lets a duplicate "
+                "through. Set it to 'noeviction' (redis.conf: 'maxmemory-policy noeviction', "
+                "or CONFIG SET maxmemory-policy noeviction then CONFIG REWRITE; on a managed "
+                "Redis, in its parameter group)"
+            )
+
+    def _bucket(self, bucket: int) -> int:
+        if type(bucket) is not int or not 0 <= bucket < self.buckets:
+            raise ValueError(f"bucket: {bucket!r} is outside 0..{self.buckets - 1}")
+        return bucket
+
+    @staticmethod
+    def _owner(owner: str) -> str:
+        if not isinstance(owner, str) or not owner:
+            raise ValueError(f"owner: {owner!r} must be a non-empty string")
+        if "|" in owner:
+            raise ValueError(f"owner: {owner!r} must not contain '|'")
+        if len(owner) > MAX_OWNER_CHARS:
+            raise ValueError(f"owner: {len(owner)} characters; the limit is {MAX_OWNER_CHARS}")
+        return owner
+
+    def _run(self, pipe: Any, operation: str) -> list[Any]:
+        try:
+            replies: list[Any] = pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"Redis {operation} for group {self.group!r} failed: {exc} "
+                "(the outcome is unknown; read the state again before acting on it)"
+            ) from exc
+        return replies
+
+    # -- claims ------------------------------------------------------------------------
+
+    def claim(
+        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
+    ) -> ClaimResult:
+        """Claim keys for ``owner``, atomically per key, in one round trip.
+
+        COMPLETED → duplicate; another owner's live lease → busy; absent, expired or
+        held by ``owner`` → claimed. A bucket whose watermark is missing or below
+        ``min_version`` (the ledger's current version) claims nothing and is
+        reported stale.
+        """
+        self._owner(owner)
+        gc_ms = self.lease_ms + self.completed_ttl_ms  # abandoned claims do not live forever
+        head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), str(gc_ms)]
+        head_tail.append(_version("min_version", min_version))
+        pipe = self.client.pipeline(transaction=False)
+        plan: list[tuple[int, list[str]]] = []
+        for bucket, given in keys_by_bucket.items():
+            self._bucket(bucket)
+            keys = given if isinstance(given, list) else list(given)
+            head = [self._prefix[bucket], *head_tail]
+            routing = [self._wm[bucket]]
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = keys[start : start + CLAIM_CHUNK]
+                self._claim(keys=routing, args=head + chunk, client=pipe)
+                plan.append((bucket, chunk))
+        replies = self._run(pipe, "claim") if plan else []
+
+        claimed: list[str] = []
+        retaken: list[str] = []
+        reclaimed: list[str] = []
+        duplicates: dict[str, str] = {}
+        busy: list[str] = []
+        stale: list[str] = []
+        stale_buckets: set[int] = set()
+        for (bucket, chunk), reply in zip(plan, replies, strict=True):
+            if reply[0] == 0:
+                stale_buckets.add(bucket)
+                stale.extend(chunk)
+                continue
+            codes = _text(reply[1])
+            if codes.count("N") == len(chunk):
+                claimed.extend(chunk)
+                continue
+            fingerprints = iter(reply[2:])
+            for key, code in zip(chunk, codes, strict=True):
+                if code == "N":
+                    claimed.append(key)
+                elif code == "D":
+                    duplicates[key] = _text(next(fingerprints))
+                elif code == "B":
+                    busy.append(key)
+                elif code == "R":
+                    claimed.append(key)
+                    retaken.append(key)
+                else:  # "X"
+                    claimed.append(key)
+                    reclaimed.append(key)
+        return ClaimResult(
+            claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
+        )
+
+    def complete(
+        self,
+        keys_by_bucket: Mapping[int, Sequence[str]],
+        owner: str,
+        fingerprints: Mapping[str, str],
+        *,
+        version: int,
+        completed_at_ms: int | None = None,
+    ) -> CompleteResult:
+        """Mark keys COMPLETED (TTL = the dedup window) once ledger ``version`` holds them.
+
+        Fencing: a key another owner holds with a live lease is left alone and
+        reported in ``fenced``; absent, own, expired and already completed keys are
+        completed. A ledger version covers the whole group, so every bucket's
+        watermark moves to ``version`` — where it exists, was at least
+        ``version - 1`` and nothing in the bucket was fenced.
+        """
+        self._owner(owner)
+        for bucket in keys_by_bucket:
+            self._bucket(bucket)
+        now = self.clock.now_ms()
+        at = now if completed_at_ms is None else completed_at_ms
+        px = max(at + self.completed_ttl_ms - now, 1)
+        head_tail = [owner, str(now), str(px), str(at), _version("version", version)]
+        head_tail.append(str(self.completed_ttl_ms))
+        token = uuid.uuid4().hex
+        pipe = self.client.pipeline(transaction=False)
+        plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
+        for bucket in range(self.buckets):
+            keys = keys_by_bucket.get(bucket, ())
+            try:
+                prints = [fingerprints[key] for key in keys]
+            except KeyError as exc:
+                raise ValueError(f"fingerprints: no fingerprint for key {exc.args[0]!r}") from None
+            if "|" in "".join(prints):
+                raise ValueError("fingerprints: a fingerprint must not contain '|'")
+            routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{token}"]
+            head = [self._prefix[bucket], *head_tail]
+            for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
+                self._complete(keys=routing, args=args, client=pipe)
+                plan.append((bucket, keys, offset, decides))
+        replies = self._run(pipe, "complete")
+
+        completed = 0
+        fenced: list[str] = []
+        lagging: set[int] = set()
+        for (bucket, keys, offset, decides), reply in zip(plan, replies, strict=True):
+            codes = _text(reply[0])
+            fenced_here = codes.count("F")
+            completed += len(codes) - fenced_here
+            if fenced_here:
+                fenced += [keys[offset + i] for i, code in enumerate(codes) if code == "F"]
+            if decides and reply[1] != 1:
+                lagging.add(bucket)
+        return CompleteResult(completed, fenced, not lagging, frozenset(lagging))
+
+    def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:
+        """Give back ``owner``'s claims (compare-and-delete); return how many were released.
+
+        COMPLETED keys and keys another owner holds are never touched.
+        """
+        self._owner(owner)
+        pipe = self.client.pipeline(transaction=False)
+        calls = 0
+        for bucket, keys in keys_by_bucket.items():
+            self._bucket(bucket)
+            head = [self._prefix[bucket], owner]
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = keys[start : start + CLAIM_CHUNK]
+                self._release(keys=[self._wm[bucket]], args=head + list(chunk), client=pipe)
+                calls += 1
+        if not calls:
+            return 0
+        return sum(int(n) for n in self._run(pipe, "release"))
+
+    # -- reads -------------------------------------------------------------------------
+
+    def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
+        """The stored state of each key (``ABSENT`` when Redis holds nothing)."""
+        pipe = self.client.pipeline(transaction=False)
+        plan: list[Sequence[str]] = []
+        for bucket, keys in keys_by_bucket.items():
+            prefix = self._prefix[self._bucket(bucket)]
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = keys[start : start + CLAIM_CHUNK]
+                pipe.mget([prefix + key for key in chunk])
+                plan.append(chunk)
+        replies = self._run(pipe, "lookup") if plan else []
+        states: dict[str, KeyState] = {}
+        for chunk, values in zip(plan, replies, strict=True):
+            for key, value in zip(chunk, values, strict=True):
+                states[key] = ABSENT if value is None else _parse_state(_text(value))
+        return states
+
+    def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
+        """Each bucket's watermark: the ledger version it has indexed, ``None`` if unknown."""
+        wanted = (
+            list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
+        )
+        pipe = self.client.pipeline(transaction=False)
+        for bucket in wanted:
+            pipe.get(self._wm[bucket])
+        replies = self._run(pipe, "watermarks") if wanted else []
+        return {
+            bucket: None if value is None else int(value)
+            for bucket, value in zip(wanted, replies, strict=True)
+        }
+
+    # -- the ledger index --------------------------------------------------------------
+
+    def index_completed(
+        self,
+        bucket: int,
+        keys: Sequence[str],
+        fingerprints: Sequence[str],
+        completed_at_ms: Sequence[int],
+        *,
+        to_version: int,
+        from_version: int | None,
+    ) -> bool:
+        """Load keys of one bucket from the ledger as COMPLETED, then move its watermark.
+
+        ``from_version=None`` is a rebuild of the whole dedup window; otherwise the
+        keys are those of ledger versions ``from_version + 1 .. to_version``. Each
+        key's TTL runs from its ``completed_at_ms`` so the window stays exact (keys
+        already past it are skipped); IN_PROGRESS claims are overwritten, since the
+        ledger is the truth. The watermark becomes ``max(wm, to_version)`` when
+        ``wm >= from_version`` (catch-up) or, for a rebuild, always. Big loads are
+        chunked; a chunk lost to a Redis restart in between keeps the watermark
+        where it was. Returns whether the watermark now covers ``to_version``.
+        """
+        self._bucket(bucket)
+        if not len(keys) == len(fingerprints) == len(completed_at_ms):
+            raise ValueError(
+                f"index_completed: {len(keys)} keys, {len(fingerprints)} fingerprints and "
+                f"{len(completed_at_ms)} completed_at_ms values must be as many"
+            )
+        if "|" in "".join(fingerprints):
+            raise ValueError("fingerprints: a fingerprint must not contain '|'")
+        routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{uuid.uuid4().hex}"]
+        head = [
+            self._prefix[bucket],
+            str(self.clock.now_ms()),
+            str(self.completed_ttl_ms),
+            _version("to_version", to_version),
+            "" if from_version is None else _version("from_version", from_version),
+        ]
+        columns = (keys, fingerprints, completed_at_ms)
+        pipe = self.client.pipeline(transaction=False)
+        queued = 0
+        for args, _, _ in _calls(head, columns, INDEX_CHUNK):
+            self._index(keys=routing, args=args, client=pipe)
+            queued += 1
+            if queued == INDEX_CHUNKS_PER_PIPELINE:  # bound what one round trip buffers
+                replies = self._run(pipe, "index")
+                pipe, queued = self.client.pipeline(transaction=False), 0
+        if queued:
+            replies = self._run(pipe, "index")
+        return bool(replies[-1][1] == 1)
+
+    def drop_watermark(self, bucket: int) -> None:
+        """Forget a bucket's watermark, forcing a rebuild before its next "new" answer."""
+        try:
+            self.client.delete(self._wm[self._bucket(bucket)])
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis DEL of a watermark failed: {exc}") from exc
+
+
+def _calls(
+    head: list[str], columns: Sequence[Sequence[str | int]], size: int
+) -> Iterator[tuple[list[str | int], int, bool]]:
+    """The script calls that carry ``columns`` (keys first) of one bucket.
+
+    One ``all`` call when they fit ``size``; else ``part`` calls counted in a
+    session key and an ``end`` call that moves the watermark only if every part
+    arrived. Yields (ARGV, offset of the call's first key, decides the watermark).
+    """
+    total = len(columns[0])
+    if total <= size:
+        yield [*head, "all", "0", *chain.from_iterable(columns)], 0, True
+        return
+    starts = range(0, total, size)
+    for start in starts:
+        part = chain.from_iterable(column[start : start + size] for column in columns)
+        yield [*head, "part", str(SESSION_TTL_MS), *part], start, False
+    yield [*head, "end", str(len(starts))], total, True
+
+
+def _parse_state(value: str) -> KeyState:
+    if value.startswith("C|"):
+        fingerprint, _, at = value[2:].rpartition("|")
+        return KeyState(KeyStatus.COMPLETED, fingerprint=fingerprint, completed_at_ms=int(at))
+    if value.startswith("P|"):
+        owner, lease_until, attempt = value[2:].split("|")
+        return KeyState(
+            KeyStatus.IN_PROGRESS,
+            owner=owner,
+            lease_until_ms=int(lease_until),
+            attempt=int(attempt),
+        )
+    raise StoreUnavailable(f"Redis holds an unrecognised idem value {value[:40]!r}")
