@@ -66,6 +66,13 @@ def _format_ms(ms: int) -> str:
     return f"{hours} h {minutes} min {secs} s"
 
 
+def _join(base: str, name: str) -> str:
+    """Join a local path or an object-store URI (``s3://b/x``) with one more segment."""
+    if "://" in base:
+        return f"{base.rstrip('/')}/{name}"
+    return str(Path(base) / name)
+
+
 def _check_range(name: str, value: int, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected a whole number, got {value!r}")
@@ -140,22 +147,22 @@ class IdemConfig:
     @property
     def group_dir(self) -> str:
         """``<data_dir>/<group>``: where this group's tables live by default."""
-        return str(Path(self.data_dir) / self.group)
+        return _join(self.data_dir, self.group)
 
     @property
     def resolved_ledger_path(self) -> str:
         """The ledger table's location."""
-        return self.ledger_path or str(Path(self.group_dir) / "ledger")
+        return self.ledger_path or _join(self.group_dir, "ledger")
 
     @property
     def resolved_dlq_path(self) -> str:
         """The ``%DLQ%<group>`` table's location."""
-        return self.dlq_path or str(Path(self.group_dir) / "dlq")
+        return self.dlq_path or _join(self.group_dir, "dlq")
 
     @property
     def resolved_journal_path(self) -> str:
         """The Delta retry journal's location."""
-        return self.journal_path or str(Path(self.group_dir) / "retry-journal")
+        return self.journal_path or _join(self.group_dir, "retry-journal")
 
     def with_changes(self, **changes: Any) -> IdemConfig:
         """A copy with some settings changed (validated again)."""

@@ -59,7 +59,12 @@ def fake_redis() -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture(params=["fakeredis", "redis-server"])
+@pytest.fixture(
+    params=[
+        pytest.param("fakeredis", marks=pytest.mark.unit),
+        pytest.param("redis-server", marks=pytest.mark.integration),
+    ]
+)
 def any_redis(request: pytest.FixtureRequest) -> redis.Redis:
     """The behaviour suite runs against both backends."""
     if request.param == "fakeredis":

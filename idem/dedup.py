@@ -1,0 +1,386 @@
+"""The dedup protocol (DESIGN §1) as one object: claim, complete, release.
+
+Redis is a hint, the Delta ledger decides. Before a claim may answer "new",
+every bucket it touches must have indexed every ledger version (its
+watermark); a bucket that is behind loads only the keys of the versions it
+missed, and a bucket whose watermark is gone (FLUSHALL, empty restart) is
+rebuilt from the ledger's dedup window. The ledger commit comes before Redis
+learns that keys are COMPLETED, so a crash between them costs a catch-up,
+never a duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import redis
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import DedupMode, IdemConfig, MismatchPolicy
+from idem.errors import InvalidKey
+from idem.hotstore import ClaimResult, HotStore, RedisHotStore
+from idem.keys import bucket_of, group_by_bucket, validate_key
+from idem.ledger import Ledger, open_ledger
+from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause, Invalid
+
+log = logging.getLogger(__name__)
+
+_MAX_INDEX_ROUNDS = 5
+"""How often a claim retries after the index fell behind again under its feet."""
+
+
+@dataclass
+class IndexStats:
+    """What keeping Redis a complete index of the ledger has cost so far."""
+
+    rebuilt_buckets: int = 0
+    rebuilt_keys: int = 0
+    caught_up_versions: int = 0
+    caught_up_keys: int = 0
+
+
+class Dedup:
+    """Exactly-once bookkeeping for one consumer group.
+
+    ``begin`` classifies a batch (fresh / duplicate / busy / invalid) and claims
+    the fresh keys for ``owner``; ``complete`` records the succeeded keys in the
+    ledger and then in Redis; ``release`` gives failed keys back.
+    """
+
+    def __init__(
+        self,
+        config: IdemConfig,
+        *,
+        client: redis.Redis | None = None,
+        hot: HotStore | None = None,
+        ledger: Ledger | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.hot: HotStore = hot or RedisHotStore.from_config(config, client=client, clock=clock)
+        self.ledger: Ledger = ledger or open_ledger(config)
+        self.stats = IndexStats()
+
+    def check(self) -> None:
+        """Start-up checks: Redis must not evict keys (``maxmemory-policy noeviction``)."""
+        self.hot.check_eviction_policy()
+
+    # -- step 1 and 2: normalise and claim -------------------------------------------------
+
+    def begin(
+        self,
+        keys: Sequence[object],
+        *,
+        owner: str,
+        fingerprints: Sequence[str] | None = None,
+        order: Sequence[int] | None = None,
+        field: str = "key",
+    ) -> BatchClaim:
+        """Classify every row of a batch and claim its fresh keys for ``owner``.
+
+        ``order`` is the precedence of rows for in-batch duplicates (e.g. the
+        indices sorted by queue offset, then born time); by default input order.
+        """
+        size = len(keys)
+        prints = tuple(fingerprints) if fingerprints is not None else ("",) * size
+        if len(prints) != size:
+            raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
+        normalised: list[str | None] = [None] * size
+        invalid: list[Invalid] = []
+        duplicates: dict[int, DuplicateCause] = {}
+        first: dict[str, int] = {}
+        limit = self.config.max_key_bytes
+        for i in order if order is not None else range(size):
+            try:
+                key = validate_key(keys[i], field=field, max_bytes=limit)
+            except InvalidKey as exc:
+                invalid.append(Invalid(i, exc.field, exc.reason, str(exc)))
+                continue
+            normalised[i] = key
+            if key in first:
+                duplicates[i] = DuplicateCause.IN_BATCH
+            else:
+                first[key] = i
+
+        grouped = group_by_bucket(first, self.config.buckets)
+        result, version = self._claim_indexed(grouped, owner)
+        claimed = set(result.claimed)
+        if self.config.mode is DedupMode.STRICT and claimed:
+            claimed -= self._strict_recheck(claimed, grouped, owner, result)
+
+        fresh: list[int] = []
+        busy: list[int] = []
+        mismatched: list[int] = []
+        busy_keys = set(result.busy)
+        for key, i in first.items():
+            if key in claimed:
+                fresh.append(i)
+            elif key in busy_keys:
+                busy.append(i)
+            else:
+                duplicates[i] = DuplicateCause.COMPLETED
+                stored = result.duplicates.get(key, "")
+                if stored and prints[i] and stored != prints[i]:
+                    mismatched.append(i)
+        retaken_keys = set(result.retaken)
+        claim = BatchClaim(
+            owner=owner,
+            keys=tuple(normalised),
+            fingerprints=prints,
+            fresh=tuple(sorted(fresh)),
+            duplicates=duplicates,
+            busy=tuple(sorted(busy)),
+            invalid=tuple(sorted(invalid, key=lambda bad: bad.index)),
+            mismatched=tuple(sorted(mismatched)),
+            retaken=tuple(i for i in sorted(fresh) if normalised[i] in retaken_keys),
+            ledger_version=version,
+        )
+        if claim.mismatched and self.config.mismatch_policy is MismatchPolicy.WARN:
+            log.warning(
+                "%d key(s) arrived again with a different payload, e.g. %r",
+                len(claim.mismatched),
+                normalised[claim.mismatched[0]],
+            )
+        return claim
+
+    def _claim_indexed(
+        self, grouped: Mapping[int, Sequence[str]], owner: str
+    ) -> tuple[ClaimResult, int]:
+        """Claim after making sure every touched bucket indexes the ledger (DESIGN §1 step 3)."""
+        claimed: list[str] = []
+        retaken: list[str] = []
+        dups: dict[str, str] = {}
+        busy: list[str] = []
+        pending = dict(grouped)
+        version = -1
+        for _ in range(_MAX_INDEX_ROUNDS):
+            if not pending:
+                break
+            version = self.catch_up(pending.keys())
+            result = self.hot.claim(pending, owner, min_version=version)
+            claimed += result.claimed
+            retaken += result.retaken
+            dups.update(result.duplicates)
+            busy += result.busy
+            # Only the keys a stale bucket did not examine are tried again; the others
+            # already have their verdict (a re-claim would report them as re-taken).
+            pending = group_by_bucket(result.stale, self.config.buckets)
+        if pending:
+            raise RuntimeError(
+                f"buckets {sorted(pending)} kept losing their index while claiming; "
+                "is Redis restarting in a loop?"
+            )
+        merged = ClaimResult(
+            claimed=claimed,
+            retaken=retaken,
+            duplicates=dups,
+            busy=busy,
+            stale_buckets=frozenset(),
+        )
+        return merged, version
+
+    def _strict_recheck(
+        self,
+        claimed: set[str],
+        grouped: Mapping[int, Sequence[str]],
+        owner: str,
+        result: ClaimResult,
+    ) -> set[str]:
+        """Strict mode: keys the ledger already holds within the window are duplicates."""
+        since = self.clock.now_ms() - self.config.dedup_window_ms
+        found = self.ledger.existing(sorted(claimed), since_ms=since)
+        if found:
+            self.hot.release(group_by_bucket(found, self.config.buckets), owner)
+            result.duplicates.update(found)
+        return set(found)
+
+    def catch_up(self, buckets: Iterable[int] | None = None) -> int:
+        """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
+
+        Steady state costs one cheap ledger version check and one Redis round trip.
+        """
+        wanted = list(range(self.config.buckets)) if buckets is None else list(buckets)
+        version = self.ledger.version()
+        marks = self.hot.watermarks(wanted)
+        missing = [b for b in wanted if marks.get(b) is None]
+        behind = {b: mark for b in wanted if (mark := marks.get(b)) is not None and mark < version}
+        if missing:
+            self._rebuild(missing)
+        if behind:
+            self._load_missed(behind)
+        return version
+
+    def _rebuild(self, buckets: Sequence[int]) -> None:
+        since = self.clock.now_ms() - self.config.dedup_window_ms
+        snapshot = self.ledger.window(since, buckets)
+        log.info(
+            "rebuilding the Redis index of %d bucket(s) from ledger version %d (%d keys)",
+            len(buckets),
+            snapshot.version,
+            snapshot.keys.num_rows,
+        )
+        self.stats.rebuilt_buckets += len(buckets)
+        self.stats.rebuilt_keys += snapshot.keys.num_rows
+        by_bucket = _split_by_bucket(snapshot.keys, buckets)
+        for bucket in buckets:
+            keys, prints, ats = by_bucket.get(bucket, ([], [], []))
+            self.hot.index_completed(
+                bucket, keys, prints, ats, to_version=snapshot.version, from_version=None
+            )
+
+    def _load_missed(self, behind: Mapping[int, int]) -> None:
+        changes = self.ledger.keys_added_since(min(behind.values()))
+        if changes is None:
+            # The versions we missed were cleaned from the log: rebuild from the window.
+            log.warning("ledger log no longer holds the missed versions; rebuilding the window")
+            since = self.clock.now_ms() - self.config.dedup_window_ms
+            snapshot = self.ledger.window(since, list(behind))
+            table, to_version = snapshot.keys, snapshot.version
+        else:
+            table, to_version = changes.keys, changes.version
+            self.stats.caught_up_versions += to_version - min(behind.values())
+            self.stats.caught_up_keys += table.num_rows
+        by_bucket = _split_by_bucket(table, behind)
+        for bucket, mark in behind.items():
+            keys, prints, ats = by_bucket.get(bucket, ([], [], []))
+            self.hot.index_completed(
+                bucket, keys, prints, ats, to_version=to_version, from_version=mark
+            )
+
+    # -- step 5 and 6: commit or release ---------------------------------------------------
+
+    def complete(
+        self,
+        claim: BatchClaim,
+        *,
+        succeeded: Iterable[int] | None = None,
+        batch_id: int,
+        app_id: str | None = None,
+        meta: pa.Table | None = None,
+        payload: pa.Table | None = None,
+        results: Mapping[int, str] | None = None,
+    ) -> CommitOutcome:
+        """Record the succeeded rows (default: every fresh row) as done: ledger first, then Redis.
+
+        ``meta`` (aligned with the batch's input rows) may carry ``msg_id``,
+        ``origin_msg_id``, ``topic``, ``queue_id``, ``queue_offset``;
+        ``payload`` (aligned with the succeeded rows) adds the user's columns
+        so a Delta sink table can be its own ledger. ``app_id``/``batch_id``
+        become the commit's ``txnAppId``/``txnVersion``: a replayed batch adds
+        nothing.
+        """
+        indices = list(claim.fresh if succeeded is None else succeeded)
+        fresh = set(claim.fresh)
+        stray = [i for i in indices if i not in fresh]
+        if stray:
+            raise ValueError(f"succeeded: rows {stray[:5]} were not claimed as fresh")
+        if not indices:
+            return CommitOutcome(version=None, committed=0)
+        keys = [claim.keys[i] or "" for i in indices]
+        now = self.clock.now_ms()
+        rows = self._ledger_rows(claim, indices, keys, batch_id, now, meta, results)
+        if payload is not None:
+            if payload.num_rows != len(indices):
+                raise ValueError(
+                    f"payload: {payload.num_rows} rows for {len(indices)} succeeded rows"
+                )
+            for name in payload.column_names:
+                rows = rows.append_column(payload.schema.field(name), payload.column(name))
+        strict = self.config.mode is DedupMode.STRICT
+        window = self.config.dedup_window_ms if strict else 2 * self.config.lease_ms
+        result = self.ledger.commit(
+            rows,
+            app_id=app_id or f"idem:{self.config.group}:{claim.owner}",
+            txn_version=batch_id,
+            match_since_ms=now - window,
+        )
+        prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
+        grouped = group_by_bucket(keys, self.config.buckets)
+        # A replay committed nothing new: the keys are in the ledger already, index them
+        # without moving the watermark (-2 never advances it).
+        version = result.version if result.version is not None else -2
+        done = self.hot.complete(grouped, claim.owner, prints, version=version, completed_at_ms=now)
+        if result.already_present:
+            log.warning(
+                "%d key(s) were already in the ledger when committed (slipped duplicates), e.g. %r",
+                len(result.already_present),
+                result.already_present[0],
+            )
+        return CommitOutcome(
+            version=result.version,
+            committed=result.inserted,
+            slipped=tuple(result.already_present),
+            fenced=tuple(done.fenced),
+            replayed=result.replayed,
+        )
+
+    def release(self, claim: BatchClaim, indices: Iterable[int] | None = None) -> int:
+        """Give back the claims of failed rows (compare-and-delete by owner)."""
+        chosen = claim.fresh if indices is None else tuple(indices)
+        keys = [k for k in (claim.keys[i] for i in chosen) if k is not None]
+        if not keys:
+            return 0
+        return self.hot.release(group_by_bucket(keys, self.config.buckets), claim.owner)
+
+    def _ledger_rows(
+        self,
+        claim: BatchClaim,
+        indices: Sequence[int],
+        keys: Sequence[str],
+        batch_id: int,
+        now_ms: int,
+        meta: pa.Table | None,
+        results: Mapping[int, str] | None,
+    ) -> pa.Table:
+        size = len(indices)
+        at = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
+
+        def meta_column(name: str, kind: pa.DataType) -> pa.Array:
+            if meta is not None and name in meta.column_names:
+                return meta.column(name).take(pa.array(indices)).combine_chunks().cast(kind)
+            return pa.nulls(size, kind)
+
+        columns: dict[str, pa.Array] = {
+            "group": pa.array([self.config.group] * size, pa.string()),
+            "bucket": pa.array([bucket_of(k, self.config.buckets) for k in keys], pa.int32()),
+            "key": pa.array(keys, pa.string()),
+            "msg_id": meta_column("msg_id", pa.string()),
+            "origin_msg_id": meta_column("origin_msg_id", pa.string()),
+            "topic": meta_column("topic", pa.string()),
+            "queue_id": meta_column("queue_id", pa.int32()),
+            "queue_offset": meta_column("queue_offset", pa.int64()),
+            "batch_id": pa.array([batch_id] * size, pa.int64()),
+            "owner": pa.array([claim.owner] * size, pa.string()),
+            "fingerprint": pa.array([claim.fingerprints[i] for i in indices], pa.string()),
+            "completed_at": pa.array([at] * size, pa.timestamp("us", tz="UTC")),
+            "completed_date": pa.array([at.date()] * size, pa.date32()),
+            "result": pa.array(
+                [results.get(i) if results else None for i in indices], pa.string()
+            ),
+        }
+        return pa.table(columns)
+
+
+def _split_by_bucket(
+    table: pa.Table, buckets: Iterable[int]
+) -> dict[int, tuple[list[str], list[str], list[int]]]:
+    """Columns ``bucket, key, fingerprint, completed_at_ms`` split per wanted bucket."""
+    wanted = set(buckets)
+    out: dict[int, tuple[list[str], list[str], list[int]]] = {}
+    if table.num_rows == 0:
+        return out
+    cols = table.to_pydict()
+    for bucket, key, fp, at in zip(
+        cols["bucket"], cols["key"], cols["fingerprint"], cols["completed_at_ms"], strict=True
+    ):
+        if bucket in wanted:
+            keys, prints, ats = out.setdefault(bucket, ([], [], []))
+            keys.append(key)
+            prints.append(fp or "")
+            ats.append(int(at))
+    return out

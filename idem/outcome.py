@@ -1,0 +1,95 @@
+"""Typed results of the dedup protocol: what happened to every row of a batch."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class DuplicateCause(StrEnum):
+    """Why a row was not handed to the sink."""
+
+    IN_BATCH = "in_batch"
+    """The same key stood earlier in the same batch (first occurrence wins)."""
+    COMPLETED = "completed"
+    """The key was already completed (Redis index or, in strict mode, the ledger)."""
+    SLIPPED = "slipped"
+    """The ledger commit found the key already present (claimed twice around a failover)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """A row whose key is bad input; it goes to the DLQ with ``reason``."""
+
+    index: int
+    field: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    """How many rows of a batch ended in each verdict."""
+
+    total: int
+    fresh: int
+    duplicates: int
+    busy: int
+    invalid: int
+    mismatched: int
+    retaken: int
+    duplicates_by_cause: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchClaim:
+    """The verdict on each row of a batch, by input index.
+
+    ``keys[i]`` is the normalised key of row ``i`` (``None`` when invalid).
+    ``fresh`` rows are claimed by ``owner`` and must be completed or released.
+    ``retaken`` is the subset of ``fresh`` this owner had claimed before (a
+    replayed batch). ``mismatched`` are duplicates whose payload fingerprint
+    differs from the completed one.
+    """
+
+    owner: str
+    keys: tuple[str | None, ...]
+    fingerprints: tuple[str, ...]
+    fresh: tuple[int, ...]
+    duplicates: dict[int, DuplicateCause]
+    busy: tuple[int, ...]
+    invalid: tuple[Invalid, ...]
+    mismatched: tuple[int, ...] = ()
+    retaken: tuple[int, ...] = ()
+    ledger_version: int = -1
+
+    @property
+    def counts(self) -> BatchCounts:
+        """Per-verdict counts, duplicates also by cause."""
+        by_cause = Counter(cause.value for cause in self.duplicates.values())
+        return BatchCounts(
+            total=len(self.keys),
+            fresh=len(self.fresh),
+            duplicates=len(self.duplicates),
+            busy=len(self.busy),
+            invalid=len(self.invalid),
+            mismatched=len(self.mismatched),
+            retaken=len(self.retaken),
+            duplicates_by_cause=dict(by_cause),
+        )
+
+    def fresh_keys(self) -> list[str]:
+        """The keys of the fresh rows, in input order."""
+        return [k for k in (self.keys[i] for i in self.fresh) if k is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    """What a commit did: ledger version, inserted rows, slipped duplicates, fenced keys."""
+
+    version: int | None
+    committed: int
+    slipped: tuple[str, ...] = ()
+    fenced: tuple[str, ...] = ()
+    replayed: bool = False

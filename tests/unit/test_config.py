@@ -1,0 +1,92 @@
+"""Configuration: validated once, refusals name the setting and the limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from idem.config import DedupMode, IdemConfig, MismatchPolicy, parse_duration_ms
+from idem.delay_levels import DelayLevels
+from idem.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_match_the_design() -> None:
+    config = IdemConfig(group="orders")
+    assert config.mode is DedupMode.INDEX
+    assert config.max_key_bytes == 512
+    assert config.lease_ms == 5 * 60_000
+    assert config.dedup_window_ms == 7 * 86_400_000
+    assert config.max_reconsume_times == 16
+    assert config.retry_horizon_ms == (4 * 3600 + 45 * 60 + 40) * 1000
+    assert config.resolved_ledger_path.endswith("orders/ledger")
+
+
+def test_a_window_shorter_than_the_retry_horizon_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"dedup_window_ms.*4 h 45 min 40 s"):
+        IdemConfig(group="orders", dedup_window_ms=4 * 3600 * 1000)
+
+
+def test_a_short_ladder_allows_a_short_window() -> None:
+    config = IdemConfig(group="demo", delay_levels="1s 1s 1s 1s", dedup_window_ms=60_000)
+    assert config.retry_horizon_ms == 16_000  # 16 retries clamped to the top level, 1 s each
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"group": "a{b}"}, "group"),
+        ({"group": ""}, "group"),
+        ({"redis_url": "http://x"}, "redis_url"),
+        ({"buckets": 0}, r"buckets: 0 is outside the allowed range 1..1024"),
+        ({"max_key_bytes": 10**6}, "max_key_bytes"),
+        ({"mode": "eventual"}, r"mode: 'eventual' is not one of index, strict"),
+        ({"mismatch_policy": "ignore"}, "mismatch_policy"),
+        ({"delay_levels": "1s 5x"}, r"level 2 is '5x'"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(changes: dict[str, object], message: str) -> None:
+    settings: dict[str, object] = {"group": "orders", **changes}
+    with pytest.raises(ConfigError, match=message):
+        IdemConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_environment_variables_are_read_and_overridden_by_arguments() -> None:
+    env = {
+        "IDEM_GROUP": "billing",
+        "IDEM_BUCKETS": "4",
+        "IDEM_DEDUP_WINDOW_MS": "2d",
+        "IDEM_MODE": "strict",
+        "IDEM_MISMATCH_POLICY": "raise",
+        "IDEM_DELAY_LEVELS": "1s 2s 3s",
+    }
+    config = IdemConfig.from_env(env, buckets=32)
+    assert config.group == "billing"
+    assert config.buckets == 32
+    assert config.dedup_window_ms == 2 * 86_400_000
+    assert config.mode is DedupMode.STRICT
+    assert config.mismatch_policy is MismatchPolicy.RAISE
+    assert config.delay_levels == DelayLevels.parse("1s 2s 3s")
+
+
+def test_environment_errors_name_the_variable() -> None:
+    with pytest.raises(ConfigError, match="IDEM_BUCKETS"):
+        IdemConfig.from_env({"IDEM_GROUP": "g", "IDEM_BUCKETS": "many"})
+    with pytest.raises(ConfigError, match="IDEM_LEASE_MS"):
+        IdemConfig.from_env({"IDEM_GROUP": "g", "IDEM_LEASE_MS": "soon"})
+    with pytest.raises(ConfigError, match="IDEM_GROUP"):
+        IdemConfig.from_env({})
+
+
+def test_durations() -> None:
+    assert parse_duration_ms("250", setting="x") == 250
+    assert parse_duration_ms("10s", setting="x") == 10_000
+    assert parse_duration_ms("2h", setting="x") == 7_200_000
+    with pytest.raises(ConfigError, match="x: '1.5h'"):
+        parse_duration_ms("1.5h", setting="x")
+
+
+def test_object_store_data_dirs_keep_their_scheme() -> None:
+    config = IdemConfig(group="orders", data_dir="s3://bucket/idem/")
+    assert config.resolved_ledger_path == "s3://bucket/idem/orders/ledger"
+    assert config.resolved_dlq_path == "s3://bucket/idem/orders/dlq"

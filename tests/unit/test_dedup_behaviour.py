@@ -1,0 +1,108 @@
+"""The dedup protocol's behaviour, on fakeredis and on a real redis-server.
+
+The ledger is a real Delta table in ``tmp_path``; time is a ManualClock.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import redis
+from deltalake import DeltaTable
+
+from idem.clock import ManualClock
+from idem.config import IdemConfig
+from idem.dedup import Dedup
+from idem.outcome import DuplicateCause
+
+
+def _dedup(tmp_path: Path, client: redis.Redis, clock: ManualClock, **extra: object) -> Dedup:
+    config = IdemConfig(group="orders", data_dir=str(tmp_path), buckets=4, **extra)
+    return Dedup(config, client=client, clock=clock)
+
+
+def test_first_occurrence_in_a_batch_wins(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    claim = dd.begin(["A", "B", "A", "C", "B"], owner="q:0", order=[2, 0, 1, 3, 4])
+    assert claim.fresh == (1, 2, 3)  # A's first occurrence by `order` is row 2
+    assert claim.duplicates == {0: DuplicateCause.IN_BATCH, 4: DuplicateCause.IN_BATCH}
+
+
+def test_completed_keys_are_duplicates_in_later_batches(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    first = dd.begin(["A", "B"], owner="q:0")
+    outcome = dd.complete(first, batch_id=0)
+    assert outcome.committed == 2
+    second = dd.begin(["B", "C"], owner="q:1")
+    assert second.fresh_keys() == ["C"]
+    assert second.duplicates == {0: DuplicateCause.COMPLETED}
+    ledger = dd.ledger.window(0, None).keys
+    assert sorted(ledger.column("key").to_pylist()) == ["A", "B"]
+
+
+def test_only_succeeded_rows_are_committed_and_failed_ones_come_back(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    claim = dd.begin(["A", "B", "C"], owner="q:0")
+    dd.complete(claim, succeeded=[0, 2], batch_id=0)
+    assert dd.release(claim, [1]) == 1
+    retry = dd.begin(["A", "B", "C"], owner="q:1")
+    assert retry.fresh_keys() == ["B"]
+
+
+def test_busy_keys_wait_for_the_lease_then_can_be_taken_over(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    dd.begin(["A"], owner="crashed:0")
+    blocked = dd.begin(["A"], owner="q:1")
+    assert blocked.busy == (0,) and not blocked.fresh
+    clock.advance(5 * 60 + 1)  # the lease (5 min) runs out
+    taken = dd.begin(["A"], owner="q:1")
+    assert taken.fresh == (0,)
+
+
+def test_a_changed_payload_is_reported(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    dd.complete(dd.begin(["A"], owner="q:0", fingerprints=["f1"]), batch_id=0)
+    with caplog.at_level(logging.WARNING):
+        again = dd.begin(["A", "A"], owner="q:1", fingerprints=["f2", "f2"])
+    assert again.mismatched == (0,)
+    assert "different payload" in caplog.text
+
+
+def test_metadata_and_payload_columns_land_in_the_ledger(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    claim = dd.begin(["A", "B"], owner="q:0")
+    meta = pa.table({"msg_id": ["m1", "m2"], "topic": ["orders", "orders"], "queue_offset": [5, 6]})
+    dd.complete(claim, batch_id=3, meta=meta)
+    table = DeltaTable(dd.config.resolved_ledger_path).to_pyarrow_table().sort_by("key")
+    assert table.column("msg_id").to_pylist() == ["m1", "m2"]
+    assert table.column("queue_offset").to_pylist() == [5, 6]
+    assert table.column("batch_id").to_pylist() == [3, 3]
+    assert table.column("owner").to_pylist() == ["q:0", "q:0"]
+
+
+def test_strict_mode_checks_the_ledger_even_when_redis_forgot(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock, mode="strict")
+    dd.complete(dd.begin(["A"], owner="q:0"), batch_id=0)
+    # forget only the key, keep the watermark: the index is now silently incomplete
+    for name in any_redis.scan_iter("idem:*:k:*"):
+        any_redis.delete(name)
+    again = dd.begin(["A", "B"], owner="q:1")
+    assert again.fresh_keys() == ["B"]
+    assert again.duplicates == {0: DuplicateCause.COMPLETED}
