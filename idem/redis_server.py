@@ -56,6 +56,7 @@ class RedisServer:
         self.port = port or free_port()
         self._owns_dir = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="idem-redis-"))
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.maxmemory_policy = maxmemory_policy
