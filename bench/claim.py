@@ -61,7 +61,7 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
         client.flushall()
         keys = [f"ORDERID_{round_}_{i}" for i in range(n_keys)]
 
-        def set_nx() -> None:
+        def set_nx(keys: list[str] = keys) -> None:
             pipe = client.pipeline(transaction=False)
             for start in range(0, n_keys, 10_000):
                 for key in keys[start : start + 10_000]:
@@ -72,7 +72,7 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
         for bucket in range(16):
             store.index_completed(bucket, [], [], [], to_version=0, from_version=None)
 
-        def claim() -> None:
+        def claim(keys: list[str] = keys) -> None:
             grouped = group_by_bucket(keys, 16)
             store.claim(grouped, "bench:0", min_version=0)
 
@@ -81,7 +81,7 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
         for bucket in range(16):
             store.index_completed(bucket, [], [], [], to_version=0, from_version=None)
 
-        def claim_complete() -> None:
+        def claim_complete(keys: list[str] = keys) -> None:
             grouped = group_by_bucket(keys, 16)
             result = store.claim(grouped, "bench:1", min_version=0)
             prints = dict.fromkeys(result.claimed, "")
@@ -125,7 +125,9 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
             for round_ in range(repeat):
                 keys = [f"NEW_{round_}_{i}" for i in range(n_keys)]
 
-                def batch(keys: list[str] = keys, round_: int = round_) -> None:
+                def batch(
+                    keys: list[str] = keys, round_: int = round_, dd: Dedup = dd
+                ) -> None:
                     claim = dd.begin(keys, owner=f"bench:{round_}")
                     dd.complete(claim, batch_id=round_, app_id="bench")
 

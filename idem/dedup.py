@@ -156,7 +156,7 @@ class Dedup:
         retaken: list[str] = []
         dups: dict[str, str] = {}
         busy: list[str] = []
-        pending = dict(grouped)
+        pending: Mapping[int, Sequence[str]] = grouped
         version = -1
         for _ in range(_MAX_INDEX_ROUNDS):
             if not pending:
@@ -286,7 +286,10 @@ class Dedup:
             return CommitOutcome(version=None, committed=0)
         keys = [claim.keys[i] or "" for i in indices]
         now = self.clock.now_ms()
-        rows = self._ledger_rows(claim, indices, keys, batch_id, now, meta, results)
+        rows = self._ledger_rows(
+            claim, indices=indices, keys=keys, batch_id=batch_id, now_ms=now, meta=meta,
+            results=results,
+        )
         if payload is not None:
             if payload.num_rows != len(indices):
                 raise ValueError(
@@ -333,6 +336,7 @@ class Dedup:
     def _ledger_rows(
         self,
         claim: BatchClaim,
+        *,
         indices: Sequence[int],
         keys: Sequence[str],
         batch_id: int,

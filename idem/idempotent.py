@@ -18,7 +18,8 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 from idem.config import IdemConfig, MismatchPolicy
 from idem.dedup import Dedup
@@ -42,10 +43,7 @@ def _resolve_path(arguments: Mapping[str, object], path: str) -> object:
         )
     value = arguments[head]
     for part in rest:
-        if isinstance(value, Mapping):
-            value = value.get(part)
-        else:
-            value = getattr(value, part, None)
+        value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
         if value is None:
             return None
     return value
@@ -83,7 +81,8 @@ def idempotent(
 
     - ``key``: dotted path into the bound arguments, or a callable taking the
       same arguments and returning the key.
-    - ``replay_result``: store the JSON result and return it on repeats.
+    - ``replay_result``: store the JSON result and return it on repeats
+      (otherwise a repeat returns ``None``).
     - ``fingerprint_of``: what identifies the payload (default: all arguments as
       JSON); a repeat with a different fingerprint follows ``on_mismatch``
       (default: the config's ``mismatch_policy``): ``accept``, ``warn``,
@@ -94,72 +93,111 @@ def idempotent(
     """
     if (config is None) == (dedup is None):
         raise ConfigError("idempotent: pass exactly one of config= or dedup=")
-    shared: list[Dedup] = [dedup] if dedup is not None else []
-
-    def engine() -> Dedup:
-        if not shared:
-            assert config is not None
-            shared.append(Dedup(config))
-        return shared[0]
+    if on_mismatch is not None:
+        on_mismatch = MismatchPolicy(on_mismatch)
+        if on_mismatch is MismatchPolicy.DEAD_LETTER and on_dead_letter is None:
+            raise ConfigError("on_mismatch='dead_letter' needs on_dead_letter= to receive calls")
+    settings = _Settings(
+        key=key,
+        config=config,
+        dedup=dedup,
+        replay_result=replay_result,
+        fingerprint_of=fingerprint_of,
+        on_mismatch=on_mismatch,
+        on_dead_letter=on_dead_letter,
+        pass_key_as=pass_key_as,
+    )
 
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
-        signature = inspect.signature(func)
-        if pass_key_as is not None and pass_key_as not in signature.parameters:
-            raise ConfigError(f"pass_key_as: {func.__qualname__} has no parameter {pass_key_as!r}")
+        call = _IdempotentCall(func, settings)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            bound = signature.bind_partial(*args, **kwargs)
-            arguments = {k: v for k, v in bound.arguments.items() if k != pass_key_as}
-            raw = key(*args, **kwargs) if callable(key) else _resolve_path(arguments, key)
-            payload = fingerprint_of(*args, **kwargs) if fingerprint_of else arguments
-            printed = fingerprint(_to_json(payload, what="payload"))
-            dd = engine()
-            owner = f"call:{uuid.uuid4().hex}"
-            claim = dd.begin([raw], owner=owner, fingerprints=[printed], field=_field(key))
-            if claim.invalid:
-                bad = claim.invalid[0]
-                raise InvalidKey(bad.message, field=bad.field, reason=bad.reason)
-            if claim.busy:
-                raise KeyBusy(str(claim.keys[0]))
-            the_key = str(claim.keys[0])
-            if claim.duplicates:
-                return _on_repeat(dd, claim.mismatched != (), the_key, printed)
-            call_kwargs = dict(kwargs)
-            if pass_key_as is not None:
-                call_kwargs[pass_key_as] = the_key
-            try:
-                value = func(*args, **call_kwargs)  # type: ignore[arg-type]
-            except BaseException:
-                dd.release(claim)
-                raise
-            stored = _to_json(value, what="result") if replay_result else None
-            dd.complete(claim, batch_id=0, results={0: stored} if stored else None)
-            return value
-
-        def _on_repeat(dd: Dedup, mismatched: bool, the_key: str, printed: str) -> R | None:
-            if mismatched:
-                policy = MismatchPolicy(on_mismatch or dd.config.mismatch_policy)
-                error = PayloadMismatch(the_key, stored="(completed)", seen=printed)
-                if policy is MismatchPolicy.RAISE:
-                    raise error
-                if policy is MismatchPolicy.DEAD_LETTER:
-                    if on_dead_letter is None:
-                        raise ConfigError(
-                            "on_mismatch='dead_letter' needs on_dead_letter= to receive the call"
-                        )
-                    on_dead_letter(the_key, error)
-                    return None
-                if policy is MismatchPolicy.WARN:
-                    log.warning("%s", error)
-            if not replay_result:
-                return None
-            stored = dd.ledger.lookup_results([the_key]).get(the_key)
-            return cast(R, json.loads(stored)) if stored else None
+            return call(args, kwargs)
 
         return wrapper
 
     return decorate
+
+
+@dataclass
+class _Settings:
+    key: KeySource
+    config: IdemConfig | None
+    dedup: Dedup | None
+    replay_result: bool
+    fingerprint_of: Callable[..., object] | None
+    on_mismatch: MismatchPolicy | None
+    on_dead_letter: Callable[[str, PayloadMismatch], None] | None
+    pass_key_as: str | None
+
+
+class _IdempotentCall(Generic[R]):
+    """One decorated function: resolves key and fingerprint, runs it once per key."""
+
+    def __init__(self, func: Callable[..., R], settings: _Settings) -> None:
+        self.func = func
+        self.s = settings
+        self.signature = inspect.signature(func)
+        name = settings.pass_key_as
+        if name is not None and name not in self.signature.parameters:
+            raise ConfigError(f"pass_key_as: {func.__qualname__} has no parameter {name!r}")
+
+    def dedup(self) -> Dedup:
+        if self.s.dedup is None:
+            assert self.s.config is not None
+            self.s.dedup = Dedup(self.s.config)
+        return self.s.dedup
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R | None:
+        bound = self.signature.bind_partial(*args, **kwargs)
+        arguments = {k: v for k, v in bound.arguments.items() if k != self.s.pass_key_as}
+        key = self.s.key
+        raw = key(*args, **kwargs) if callable(key) else _resolve_path(arguments, key)
+        payload = self.s.fingerprint_of(*args, **kwargs) if self.s.fingerprint_of else arguments
+        printed = fingerprint(_to_json(payload, what="payload"))
+        dd = self.dedup()
+        claim = dd.begin(
+            [raw], owner=f"call:{uuid.uuid4().hex}", fingerprints=[printed], field=_field(key)
+        )
+        if claim.invalid:
+            bad = claim.invalid[0]
+            raise InvalidKey(bad.message, field=bad.field, reason=bad.reason)
+        if claim.busy:
+            raise KeyBusy(str(claim.keys[0]))
+        the_key = str(claim.keys[0])
+        if claim.duplicates:
+            return self._on_repeat(dd, the_key, printed, mismatched=bool(claim.mismatched))
+        if self.s.pass_key_as is not None:
+            kwargs = {**kwargs, self.s.pass_key_as: the_key}
+        try:
+            value = self.func(*args, **kwargs)
+        except BaseException:
+            dd.release(claim)
+            raise
+        stored = _to_json(value, what="result") if self.s.replay_result else None
+        dd.complete(claim, batch_id=0, results={0: stored} if stored is not None else None)
+        return value
+
+    def _on_repeat(self, dd: Dedup, the_key: str, printed: str, *, mismatched: bool) -> R | None:
+        if mismatched:
+            policy = self.s.on_mismatch or dd.config.mismatch_policy
+            error = PayloadMismatch(the_key, stored="(completed)", seen=printed)
+            if policy is MismatchPolicy.RAISE:
+                raise error
+            if policy is MismatchPolicy.DEAD_LETTER:
+                if self.s.on_dead_letter is None:
+                    raise ConfigError(
+                        "mismatch_policy 'dead_letter' needs on_dead_letter= to receive calls"
+                    )
+                self.s.on_dead_letter(the_key, error)
+                return None
+            if policy is MismatchPolicy.WARN:
+                log.warning("%s", error)
+        if not self.s.replay_result:
+            return None
+        stored = dd.ledger.lookup_results([the_key]).get(the_key)
+        return cast(R, json.loads(stored)) if stored else None
 
 
 def _field(key: KeySource) -> str:

@@ -191,15 +191,18 @@ def test_replayed_batch_retakes_its_claims_and_adds_nothing_twice(
     assert len(first.fresh) == 100
     # the batch crashes before commit; another query must not steal the keys meanwhile
     other = dd.begin(keys[:10], owner="query-2:1")
-    assert len(other.busy) == 10 and not other.fresh
+    assert len(other.busy) == 10
+    assert not other.fresh
     # Spark replays batch 7: same owner re-takes every claim
     replay = dd.begin(keys, owner="query-1:7")
-    assert len(replay.fresh) == 100 and len(replay.retaken) == 100
+    assert len(replay.fresh) == 100
+    assert len(replay.retaken) == 100
     outcome = dd.complete(replay, batch_id=7, app_id="query-1")
     assert outcome.committed == 100
     # and a second replay after the commit: all duplicates, the ledger unchanged
     again = dd.begin(keys, owner="query-1:7")
-    assert not again.fresh and len(again.duplicates) == 100
+    assert not again.fresh
+    assert len(again.duplicates) == 100
     assert dd.complete(replay, batch_id=7, app_id="query-1").replayed
     assert dd.ledger.audit() == []
 
@@ -228,7 +231,8 @@ def test_bad_keys_come_back_invalid_with_reasons(
         0: "null", 1: "empty", 2: "empty", 3: "too_long", 4: "undecodable", 5: "not_text"
     }
     too_long = next(bad for bad in claim.invalid if bad.reason == "too_long")
-    assert "order_id" in too_long.message and "512" in too_long.message
+    assert "order_id" in too_long.message
+    assert "512" in too_long.message
     assert claim.fresh == (6,)
     assert claim.duplicates == {7: DuplicateCause.IN_BATCH}
     # every row is accounted for

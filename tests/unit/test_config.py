@@ -82,7 +82,7 @@ def test_durations() -> None:
     assert parse_duration_ms("250", setting="x") == 250
     assert parse_duration_ms("10s", setting="x") == 10_000
     assert parse_duration_ms("2h", setting="x") == 7_200_000
-    with pytest.raises(ConfigError, match="x: '1.5h'"):
+    with pytest.raises(ConfigError, match=r"x: '1\.5h'"):
         parse_duration_ms("1.5h", setting="x")
 
 

@@ -64,7 +64,8 @@ def test_busy_keys_wait_for_the_lease_then_can_be_taken_over(
     dd = _dedup(tmp_path, any_redis, clock)
     dd.begin(["A"], owner="crashed:0")
     blocked = dd.begin(["A"], owner="q:1")
-    assert blocked.busy == (0,) and not blocked.fresh
+    assert blocked.busy == (0,)
+    assert not blocked.fresh
     clock.advance(5 * 60 + 1)  # the lease (5 min) runs out
     taken = dd.begin(["A"], owner="q:1")
     assert taken.fresh == (0,)

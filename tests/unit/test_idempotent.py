@@ -1,0 +1,135 @@
+"""``@idempotent`` on plain callables: runs once per key, replays results, guards payloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.clock import ManualClock
+from idem.config import IdemConfig
+from idem.dedup import Dedup
+from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch
+from idem.idempotent import idempotent
+
+
+@dataclass
+class Order:
+    order_id: str
+    amount: int
+
+
+@pytest.fixture
+def dedup(tmp_path: Path, any_redis: redis.Redis, clock: ManualClock) -> Dedup:
+    return Dedup(IdemConfig(group="billing", data_dir=str(tmp_path), buckets=2),
+                 client=any_redis, clock=clock)
+
+
+def test_runs_once_per_key_and_replays_the_result(dedup: Dedup) -> None:
+    charged: list[str] = []
+
+    @idempotent(key="order.order_id", dedup=dedup, replay_result=True)
+    def charge(order: Order) -> dict[str, object]:
+        charged.append(order.order_id)
+        return {"receipt": f"R-{order.order_id}", "amount": order.amount}
+
+    first = charge(Order("ORDERID_100", 5))
+    again = charge(Order("ORDERID_100", 5))
+    other = charge(Order("ORDERID_101", 7))
+    assert charged == ["ORDERID_100", "ORDERID_101"]
+    assert first == again == {"receipt": "R-ORDERID_100", "amount": 5}
+    assert other == {"receipt": "R-ORDERID_101", "amount": 7}
+
+
+def test_without_replay_a_repeat_returns_none(dedup: Dedup) -> None:
+    calls: list[str] = []
+
+    @idempotent(key=lambda order_id: order_id, dedup=dedup)
+    def ship(order_id: str) -> str:
+        calls.append(order_id)
+        return "shipped"
+
+    assert ship("A") == "shipped"
+    assert ship("A") is None
+    assert calls == ["A"]
+
+
+def test_a_failure_releases_the_key_so_a_retry_runs(dedup: Dedup) -> None:
+    attempts: list[int] = []
+
+    @idempotent(key="order_id", dedup=dedup)
+    def flaky(order_id: str) -> str:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise TimeoutError("downstream timed out")
+        return "ok"
+
+    with pytest.raises(TimeoutError):  # the user's exception passes through untouched
+        flaky("A")
+    assert flaky("A") == "ok"
+    assert flaky("A") is None
+    assert len(attempts) == 2
+
+
+def test_the_function_can_receive_its_idempotency_key(dedup: Dedup) -> None:
+    seen: list[str] = []
+
+    @idempotent(key="order.order_id", dedup=dedup, pass_key_as="idempotency_key")
+    def pay(order: Order, idempotency_key: str = "") -> None:
+        seen.append(idempotency_key)
+
+    pay(Order("ORDERID_7", 1))
+    assert seen == ["ORDERID_7"]
+
+
+def test_payload_mismatch_policies(dedup: Dedup) -> None:
+    @idempotent(key="order.order_id", dedup=dedup, on_mismatch="raise")
+    def strict(order: Order) -> None:
+        return None
+
+    strict(Order("A", 1))
+    strict(Order("A", 1))  # same payload: a plain repeat
+    with pytest.raises(PayloadMismatch, match="'A'"):
+        strict(Order("A", 2))
+
+    dead: list[str] = []
+
+    @idempotent(key="order.order_id", dedup=dedup, on_mismatch="dead_letter",
+                on_dead_letter=lambda key, _err: dead.append(key))
+    def lenient(order: Order) -> str:
+        return "done"
+
+    assert lenient(Order("B", 1)) == "done"
+    assert lenient(Order("B", 9)) is None
+    assert dead == ["B"]
+
+
+def test_bad_keys_are_refused_by_field_and_limit(dedup: Dedup) -> None:
+    @idempotent(key="order.order_id", dedup=dedup)
+    def handle(order: Order) -> None:
+        return None
+
+    with pytest.raises(InvalidKey, match="empty"):
+        handle(Order("", 1))
+    with pytest.raises(InvalidKey, match=r"order\.order_id.*limit is 512 bytes"):
+        handle(Order("x" * 513, 1))
+
+
+def test_a_key_held_by_a_running_call_is_busy(dedup: Dedup) -> None:
+    dedup.begin(["A"], owner="another-worker")
+
+    @idempotent(key="order_id", dedup=dedup)
+    def handle(order_id: str) -> None:
+        return None
+
+    with pytest.raises(KeyBusy):
+        handle("A")
+
+
+def test_misconfiguration_is_refused() -> None:
+    with pytest.raises(ConfigError, match="exactly one of config= or dedup="):
+        idempotent(key="x")
+    with pytest.raises(ConfigError, match="pass_key_as"):
+        idempotent(key="x", config=IdemConfig(group="g"), pass_key_as="nope")(lambda x: x)
