@@ -1,1 +1,55 @@
-"""idem: exactly-once sinks on at-least-once delivery."""
+"""idem: exactly-once sinks on at-least-once delivery.
+
+Business-key claims in Redis (hot), a Delta Lake ledger (durable), RocketMQ's
+resend path in :mod:`idem.retry`, PySpark glue in :mod:`idem.spark`.
+"""
+
+from idem.clock import Clock, ManualClock, SystemClock
+from idem.config import DedupMode, IdemConfig, MismatchPolicy
+from idem.dedup import Dedup, IndexStats
+from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
+from idem.errors import (
+    ConfigError,
+    IdemError,
+    InvalidKey,
+    KeyBusy,
+    LedgerConflict,
+    LedgerError,
+    PayloadMismatch,
+    SerializationError,
+    StoreUnavailable,
+    UnsafeRedisConfig,
+)
+from idem.idempotent import idempotent
+from idem.outcome import BatchClaim, BatchCounts, CommitOutcome, DuplicateCause, Invalid
+
+__all__ = [
+    "DEFAULT_DELAY_LEVELS",
+    "BatchClaim",
+    "BatchCounts",
+    "Clock",
+    "CommitOutcome",
+    "ConfigError",
+    "Dedup",
+    "DedupMode",
+    "DelayLevels",
+    "DuplicateCause",
+    "IdemConfig",
+    "IdemError",
+    "IndexStats",
+    "Invalid",
+    "InvalidKey",
+    "KeyBusy",
+    "LedgerConflict",
+    "LedgerError",
+    "ManualClock",
+    "MismatchPolicy",
+    "PayloadMismatch",
+    "SerializationError",
+    "StoreUnavailable",
+    "SystemClock",
+    "UnsafeRedisConfig",
+    "idempotent",
+]
+
+__version__ = "0.1.0"
