@@ -8,6 +8,12 @@ Send-back (:class:`SendBackProcessor`), the delay-level ladder
 facade that ties them together (:class:`RetryEngine`).
 """
 
+from idem.delay_levels import (
+    DEFAULT_DELAY_LEVELS,
+    DEFAULT_MAX_RECONSUME_TIMES,
+    FIRST_RETRY_LEVEL,
+    DelayLevels,
+)
 from idem.retry.audit import StateAudit, audit_states
 from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
 from idem.retry.engine import (
@@ -69,13 +75,6 @@ from idem.retry.status import (
 )
 from idem.retry.store import RetryKeys, ScheduleStats, ScheduleStore
 from idem.retry.topic import RetryTopic, message_timeup, reset_retry_topic
-
-from idem.delay_levels import (
-    DEFAULT_DELAY_LEVELS,
-    DEFAULT_MAX_RECONSUME_TIMES,
-    FIRST_RETRY_LEVEL,
-    DelayLevels,
-)
 
 __all__ = [
     "DEFAULT_DELAY_LEVELS",

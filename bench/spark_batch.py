@@ -1,0 +1,254 @@
+"""Per-batch time of the decorated Delta sink against what users would do without idem.
+
+One local Spark session (local[2]), one stream of 100k-row batches (parquet
+files read with ``maxFilesPerTrigger=1``), a sink table / ledger that already
+holds 1M keys, and five ways to write each batch, each its own streaming query
+over the same files:
+
+  plain      foreachBatch -> delta-rs append (no dedup at all: the baseline)
+  decorated  foreachBatch = ``ExactlyOnce(sink_table=...)`` (claims in a real
+             redis-server, the sink table is the ledger, one Delta commit)
+  merge      foreachBatch -> delta-rs insert-only MERGE on the key into a
+             1M-key table (dedup against the table, no Redis)
+  dropdup    foreachBatch -> ``dropDuplicates([key])`` inside the batch, then
+             append (in-batch dedup only; forgets everything between batches)
+  watermark  Spark's stateful ``dropDuplicatesWithinWatermark`` on the stream,
+             then append (state in the checkpoint; forgets on a lost checkpoint
+             and knows nothing of retries)
+
+Every batch has 1 % in-batch duplicates and 1 % keys the 1M table already
+holds. The time per batch is Spark's ``triggerExecution`` of the batch (read,
+plan, sink, commit), the median over the batches after a warm-up batch; the
+ratios are to ``plain``. Targets: decorated <= 2x plain, and faster than
+``watermark``.
+
+    python bench/spark_batch.py [--rows 100000] [--batches 6] [--ledger-keys 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable, write_deltalake
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _ledger_fixture import build_ledger, fresh_keys, key_strings
+
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.spark.decorator import ExactlyOnce
+from idem.spark.session import local_session
+
+KEY = "order_id"
+
+
+def write_batches(directory: Path, *, rows: int, batches: int, ledger_keys: int) -> None:
+    """``batches`` parquet files of ``rows`` orders: new keys, 1 % repeats, 1 % old keys."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    base = np.datetime64("2024-05-01T10:00:00", "us")
+    for b in range(batches):
+        new = fresh_keys(rows, round_=b)
+        dup = max(1, rows // 100)
+        old = key_strings(0, ledger_keys).take(
+            pa.array(rng.integers(0, ledger_keys, size=dup))
+        ).to_pylist()
+        keys = new[: rows - 2 * dup] + new[:dup] + old  # in-batch repeats and old keys
+        times = base + np.timedelta64(b * 60, "s") + rng.integers(0, 59_000_000, size=rows).astype(
+            "timedelta64[us]"
+        )
+        table = pa.table(
+            {
+                KEY: pa.array(keys, pa.string()),
+                "amount": pa.array(rng.uniform(1, 500, size=rows)),
+                "customer": pa.array([f"C{i % 997}" for i in range(rows)], pa.string()),
+                "ts": pa.array(times, pa.timestamp("us", tz="UTC")),
+            }
+        )
+        pq.write_table(table, directory / f"batch-{b:03d}.parquet")
+
+
+def run_query(
+    spark: Any,
+    source: Path,
+    checkpoint: Path,
+    sink: Callable[[Any, int], None],
+    *,
+    watermark: bool = False,
+) -> list[float]:
+    """Stream ``source`` through ``sink``; return each batch's triggerExecution in seconds."""
+    schema = spark.read.parquet(str(source)).schema
+    stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(str(source))
+    if watermark:
+        stream = stream.withWatermark("ts", "10 minutes").dropDuplicatesWithinWatermark([KEY])
+    query = (
+        stream.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return [p["durationMs"]["triggerExecution"] / 1000 for p in query.recentProgress]
+
+
+def append_to(path: Path) -> Callable[[Any, int], None]:
+    def sink(df: Any, batch_id: int) -> None:
+        write_deltalake(str(path), df.toArrow(), mode="append")
+
+    return sink
+
+
+def dropdup_to(path: Path) -> Callable[[Any, int], None]:
+    def sink(df: Any, batch_id: int) -> None:
+        write_deltalake(str(path), df.dropDuplicates([KEY]).toArrow(), mode="append")
+
+    return sink
+
+
+def merge_into(path: Path) -> Callable[[Any, int], None]:
+    def sink(df: Any, batch_id: int) -> None:
+        source = df.dropDuplicates([KEY]).toArrow()
+        (
+            DeltaTable(str(path))
+            .merge(source, predicate=f"t.{KEY} = s.{KEY}", source_alias="s", target_alias="t")
+            .when_not_matched_insert_all()
+            .execute()
+        )
+
+    return sink
+
+
+def seed_table(path: Path, ledger_keys: int) -> None:
+    """A plain 1M-row orders table for the MERGE baseline (same keys as the ledger)."""
+    chunk = 500_000
+    rng = np.random.default_rng(5)
+    for start in range(0, ledger_keys, chunk):
+        n = min(chunk, ledger_keys - start)
+        write_deltalake(
+            str(path),
+            pa.table(
+                {
+                    KEY: key_strings(start, n),
+                    "amount": pa.array(rng.uniform(1, 500, size=n)),
+                    "customer": pa.array([f"C{i % 997}" for i in range(n)], pa.string()),
+                    "ts": pa.array(
+                        np.full(n, np.datetime64("2024-04-30T10:00:00", "us")),
+                        pa.timestamp("us", tz="UTC"),
+                    ),
+                }
+            ),
+            mode="append",
+        )
+
+
+def print_ratios(results: dict[str, float]) -> None:
+    """The ratios to the plain append, and the two targets."""
+    base = results["plain"]
+    print("\nper-batch time, ratio to the plain delta-rs append:")
+    for name, seconds in results.items():
+        print(f"  {name:<10} {seconds:7.3f} s   {seconds / base:5.2f}x")
+    if "decorated" not in results or "watermark" not in results:
+        return
+    decorated_t, watermark_t = results["decorated"], results["watermark"]
+    print(
+        f"\ntargets: decorated <= 2x plain: {decorated_t / base:.2f}x "
+        f"[{'met' if decorated_t <= 2 * base else 'NOT met'}]; decorated faster than "
+        f"dropDuplicatesWithinWatermark: {decorated_t:.3f} s vs {watermark_t:.3f} s "
+        f"[{'met' if decorated_t < watermark_t else 'NOT met'}]"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument("--ledger-keys", type=int, default=1_000_000)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument(
+        "--only", help="comma-separated variants to run (plain is always run, as the baseline)"
+    )
+    args = parser.parse_args(argv)
+
+    root = Path(tempfile.mkdtemp(prefix="idem-bench-spark-"))
+    server = RedisServer()
+    server.start()
+    try:
+        started = time.monotonic()
+        source = root / "in"
+        write_batches(source, rows=args.rows, batches=args.batches, ledger_keys=args.ledger_keys)
+        sink_table = root / "decorated"
+        info = build_ledger(str(sink_table), args.ledger_keys, group="bench", buckets=16)
+        seed_table(root / "merge", args.ledger_keys)
+        print(
+            f"{args.batches} batches of {args.rows} rows; ledger/sink table with {info.keys} keys "
+            f"({info.files} files); set up in {time.monotonic() - started:.0f} s",
+            flush=True,
+        )
+        spark = local_session("idem-bench")
+        config = IdemConfig(
+            group="bench", redis_url=server.url, data_dir=str(root / "idem"), buckets=16
+        )
+        decorated = ExactlyOnce(
+            None, config=config, key=KEY, client=server.client(), sink_table=str(sink_table)
+        )
+        steps: dict[str, list[float]] = {}
+
+        def decorated_sink(df: Any, batch_id: int) -> None:
+            outcome = decorated.process(df, batch_id)
+            for step, seconds in outcome.timings.items():
+                steps.setdefault(step, []).append(seconds)
+
+        variants: list[tuple[str, Callable[[Any, int], None], bool]] = [
+            ("plain", append_to(root / "plain"), False),
+            ("decorated", decorated_sink, False),
+            ("merge", merge_into(root / "merge"), False),
+            ("dropdup", dropdup_to(root / "dropdup"), False),
+            ("watermark", append_to(root / "watermark"), True),
+        ]
+        if args.only:
+            wanted = {"plain", *args.only.split(",")}
+            variants = [v for v in variants if v[0] in wanted]
+        results: dict[str, float] = {}
+        for name, sink, watermark in variants:
+            times = run_query(spark, source, root / f"ck-{name}", sink, watermark=watermark)
+            steady = times[1:] or times  # batch 0 pays for the JIT, the Redis index, caches
+            results[name] = statistics.median(steady)
+            print(
+                f"  {name:<10} median {results[name]:.3f} s/batch "
+                f"(first {times[0]:.2f} s; all: {', '.join(f'{t:.2f}' for t in times)})",
+                flush=True,
+            )
+            if name == "decorated" and steps:
+                print(
+                    "             inside the decorator (median s): "
+                    + ", ".join(
+                        f"{step} {statistics.median(v[1:] or v):.3f}" for step, v in steps.items()
+                    ),
+                    flush=True,
+                )
+        if "decorated" in results:
+            counts = DeltaTable(str(sink_table)).to_pyarrow_table(columns=["key"]).num_rows
+            expected = info.keys + args.batches * (args.rows - 2 * max(1, args.rows // 100))
+            print(f"decorated sink table: {counts} rows (expected {expected}: each key once)")
+        print_ratios(results)
+    finally:
+        server.stop()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Direct reads of a Delta table's transaction log and data files.
+
+delta-rs answers "what is the table now"; the dedup layer also needs "what did
+versions ``(v, current]`` add" and "is there a version after ``v``" without
+loading the whole table state. Both are plain reads of ``_delta_log/<n>.json``
+(the Delta protocol), so they are done here: with the OS for local tables and
+through delta-rs' object-store handler for the rest.
+
+Data files are read without pyarrow's dataset layer over a Python filesystem
+(``DeltaTable.to_pyarrow_dataset``), which can abort the interpreter at exit
+(delta-rs #2184, arrow #34314).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake.fs import DeltaStorageHandler
+from pyarrow.fs import FileSelector, FileType
+
+LOG_DIR = "_delta_log"
+
+
+def commit_name(version: int) -> str:
+    """``_delta_log/00000000000000000042.json``."""
+    return f"{LOG_DIR}/{version:020d}.json"
+
+
+def is_local(uri: str) -> bool:
+    """True for plain paths and ``file://`` URIs."""
+    scheme = urlparse(uri).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def local_path(uri: str) -> str:
+    """The absolute filesystem path of a local table URI."""
+    if uri.startswith("file://"):
+        uri = unquote(urlparse(uri).path)
+    return str(Path(uri).absolute())
+
+
+@dataclass(frozen=True)
+class AddedFile:
+    """One ``add`` action of a commit."""
+
+    path: str
+    partition_values: dict[str, str | None]
+    data_change: bool
+
+
+@dataclass(frozen=True)
+class CommitEntry:
+    """The actions of one commit that the ledger cares about."""
+
+    version: int
+    operation: str | None
+    added: list[AddedFile]
+    removed: list[str]
+
+
+def parse_commit(version: int, data: bytes) -> CommitEntry:
+    """Parse a commit JSON (one action per line)."""
+    operation: str | None = None
+    added: list[AddedFile] = []
+    removed: list[str] = []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        action: dict[str, Any] = json.loads(line)
+        if "add" in action:
+            add = action["add"]
+            added.append(
+                AddedFile(
+                    path=add["path"],
+                    partition_values=dict(add.get("partitionValues") or {}),
+                    data_change=bool(add.get("dataChange", True)),
+                )
+            )
+        elif "remove" in action:
+            removed.append(action["remove"]["path"])
+        elif "commitInfo" in action:
+            operation = action["commitInfo"].get("operation")
+    return CommitEntry(version=version, operation=operation, added=added, removed=removed)
+
+
+class LogStore(Protocol):
+    """The few storage calls the log reader needs, relative to the table root."""
+
+    def exists(self, relative: str) -> bool:
+        """Whether the file exists."""
+        ...
+
+    def read_bytes(self, relative: str) -> bytes:
+        """The whole file; ``FileNotFoundError`` when it is missing."""
+        ...
+
+    def list_log(self) -> list[str]:
+        """File names in ``_delta_log`` (empty when there is none)."""
+        ...
+
+    def read_parquet(self, relative: str, columns: Sequence[str]) -> pa.Table:
+        """Some columns of a data file; ``FileNotFoundError`` when it is missing."""
+        ...
+
+
+class LocalLogStore:
+    """A table on the local filesystem: ``stat`` and ``open``, nothing else."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+
+    def _full(self, relative: str) -> Path:
+        if relative.startswith("file://"):
+            return Path(local_path(relative))
+        return self.root / unquote(relative)
+
+    def exists(self, relative: str) -> bool:
+        """Whether the file exists (one ``stat``)."""
+        return self._full(relative).exists()
+
+    def read_bytes(self, relative: str) -> bytes:
+        """The whole file."""
+        return self._full(relative).read_bytes()
+
+    def list_log(self) -> list[str]:
+        """File names in ``_delta_log``."""
+        try:
+            return [entry.name for entry in (self.root / LOG_DIR).iterdir()]
+        except FileNotFoundError:
+            return []
+
+    def read_parquet(self, relative: str, columns: Sequence[str]) -> pa.Table:
+        """Some columns of a data file, read with pyarrow's native local filesystem."""
+        return pq.read_table(str(self._full(relative)), columns=list(columns))
+
+
+class ObjectLogStore:
+    """A table on an object store, through delta-rs' storage handler (same credentials)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, str] | None) -> None:
+        self._handler = DeltaStorageHandler(uri, storage_options)
+
+    def exists(self, relative: str) -> bool:
+        """Whether the object exists (one HEAD)."""
+        info = self._handler.get_file_info([unquote(relative)])[0]
+        return bool(info.type != FileType.NotFound)
+
+    def read_bytes(self, relative: str) -> bytes:
+        """The whole object."""
+        relative = unquote(relative)
+        if not self.exists(relative):
+            raise FileNotFoundError(relative)
+        data: bytes = self._handler.open_input_file(relative).read()
+        return data
+
+    def list_log(self) -> list[str]:
+        """Object names under ``_delta_log/``."""
+        infos = self._handler.get_file_info_selector(
+            FileSelector(LOG_DIR, allow_not_found=True, recursive=False)
+        )
+        return [info.base_name for info in infos]
+
+    def read_parquet(self, relative: str, columns: Sequence[str]) -> pa.Table:
+        """Some columns of a data file, fetched whole into memory then decoded."""
+        return pq.read_table(pa.BufferReader(self.read_bytes(relative)), columns=list(columns))
+
+
+def open_log_store(uri: str, storage_options: dict[str, str] | None) -> LogStore:
+    """The right store for a table URI."""
+    if is_local(uri):
+        return LocalLogStore(local_path(uri))
+    return ObjectLogStore(uri, storage_options)
+
+
+def checkpoint_hint(store: LogStore) -> int:
+    """The version of ``_delta_log/_last_checkpoint``, or ``-1`` without one."""
+    try:
+        data = store.read_bytes(f"{LOG_DIR}/_last_checkpoint")
+    except (FileNotFoundError, OSError):
+        return -1
+    try:
+        return int(json.loads(data)["version"])
+    except (ValueError, KeyError, TypeError):
+        return -1
+
+
+def latest_commit_listed(names: Iterable[str]) -> int:
+    """The highest commit version among ``_delta_log`` file names, ``-1`` if none."""
+    versions = [int(name[:20]) for name in names if name.endswith(".json") and name[:20].isdigit()]
+    return max(versions, default=-1)

@@ -1,0 +1,207 @@
+"""The ledger engine interface, its results, and how an engine is chosen.
+
+The Delta ledger is the log of truth of the dedup layer; Redis is an index
+over it. An engine is anything that can do the few things below on a Delta
+table: tell its version cheaply, commit a batch exactly once (insert-only
+MERGE carrying ``txnAppId``/``txnVersion``), hand back the keys that versions
+added, read the dedup window, and answer "which of these keys exist".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import pyarrow as pa
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import IdemConfig
+from idem.errors import ConfigError, LedgerError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DELTA_SPARK_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+"""What ``spark.sql.extensions`` must name for the delta-spark engine."""
+
+EngineName = Literal["auto", "deltars", "spark"]
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What one ``commit`` did.
+
+    ``version`` is the table version written, ``None`` when nothing was
+    committed (a replay, or no rows). ``already_present`` lists keys the
+    ledger already held within the match window: slipped duplicates (the sink
+    ran for them although they were done). ``batch_duplicates`` are keys that
+    appeared more than once in the rows themselves (the first row was kept).
+    """
+
+    version: int | None
+    inserted: int
+    already_present: list[str] = field(default_factory=list)
+    replayed: bool = False
+    batch_duplicates: list[str] = field(default_factory=list)
+    attempts: int = 1
+    scan_time_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class ChangedKeys:
+    """The keys added by versions ``(since_version, version]`` (``keys`` as INDEX_SCHEMA)."""
+
+    since_version: int
+    version: int
+    keys: pa.Table
+    files_read: int = 0
+
+
+@dataclass(frozen=True)
+class LedgerWindow:
+    """The keys completed at or after ``since_ms`` as of ``version`` (``keys`` as INDEX_SCHEMA).
+
+    ``version`` is ``-1`` when there is no table yet.
+    """
+
+    version: int
+    since_ms: int
+    keys: pa.Table
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    """What ``compact`` rewrote."""
+
+    files_removed: int
+    files_added: int
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """One Delta ledger table, whatever engine writes it."""
+
+    @property
+    def path(self) -> str:
+        """The table's location."""
+        ...
+
+    def version(self) -> int:
+        """The current table version, ``-1`` when the table does not exist. Cheap."""
+        ...
+
+    def commit(
+        self, rows: pa.Table, *, app_id: str, txn_version: int, match_since_ms: int | None
+    ) -> CommitResult:
+        """Insert the rows whose ``(bucket, key)`` is not in the ledger since ``match_since_ms``.
+
+        ``None`` means strict mode: match against the whole dedup window. A
+        batch whose ``(app_id, txn_version)`` is already committed is a replay
+        and commits nothing. Rows without ``completed_at`` get the ledger
+        clock's now; columns the ledger does not know are written too (a sink
+        table that is its own ledger).
+        """
+        ...
+
+    def keys_added_since(self, version: int) -> ChangedKeys | None:
+        """Keys added by versions after ``version``, reading only those versions' files.
+
+        ``None`` when those versions (or their files) were cleaned up: the
+        caller must rebuild from :meth:`window` instead.
+        """
+        ...
+
+    def window(self, since_ms: int, buckets: Iterable[int] | None = None) -> LedgerWindow:
+        """Rows completed at or after ``since_ms`` (only the given buckets), for a Redis rebuild."""
+        ...
+
+    def existing(self, keys: Iterable[str], *, since_ms: int | None) -> dict[str, str]:
+        """``key -> fingerprint`` of the keys the ledger holds, completed since ``since_ms``."""
+        ...
+
+    def lookup_results(
+        self, keys: Iterable[str], *, since_ms: int | None = None
+    ) -> dict[str, str | None]:
+        """``key -> result JSON`` (``None`` when no result was kept) of the keys present."""
+        ...
+
+    def audit(self, *, since_ms: int | None = None) -> list[tuple[str, int]]:
+        """Keys present more than once, with their counts, sorted by key."""
+        ...
+
+    def expire(self, older_than_ms: int, *, vacuum_retention_hours: int = 168) -> int:
+        """Delete the days that ended before ``older_than_ms``; return the rows deleted."""
+        ...
+
+    def compact(self, *, before_ms: int | None = None) -> CompactResult:
+        """Merge small files of the days before ``before_ms`` (default: before today)."""
+        ...
+
+
+def spark_delta_session() -> SparkSession | None:
+    """The active Spark session if it has Delta's extension and delta-spark is installed.
+
+    Never imports pyspark itself: when nothing imported it, there is no session.
+    """
+    if "pyspark" not in sys.modules:
+        return None
+    from pyspark.sql import SparkSession  # noqa: PLC0415 -- only once pyspark is loaded
+
+    session = SparkSession.getActiveSession()
+    if session is None:
+        return None
+    extensions = session.conf.get("spark.sql.extensions", "") or ""
+    if DELTA_SPARK_EXTENSION not in extensions:
+        return None
+    if importlib.util.find_spec("delta") is None:  # delta-spark, an optional extra
+        return None
+    return session
+
+
+def open_ledger(
+    config: IdemConfig,
+    engine: EngineName = "auto",
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    storage_options: dict[str, str] | None = None,
+    **engine_options: Any,
+) -> Ledger:
+    """The ledger of ``config.group`` at ``config.resolved_ledger_path``.
+
+    ``auto`` picks delta-spark when the active Spark session has Delta's
+    extension, otherwise delta-rs (``deltars``), which needs no JVM jars.
+    """
+    if engine not in ("auto", "deltars", "spark"):
+        raise ConfigError(f"engine: {engine!r} is not one of auto, deltars, spark")
+    # Strict mode matches against the whole window; index mode passes the lease horizon.
+    window_ms = config.dedup_window_ms
+    if engine in ("auto", "spark"):
+        session = spark_delta_session()
+        if session is not None:
+            from idem.ledger.spark_engine import SparkDeltaLedger  # noqa: PLC0415 -- needs JVM
+
+            return SparkDeltaLedger(
+                session,
+                config.resolved_ledger_path,
+                clock=clock,
+                dedup_window_ms=window_ms,
+                **engine_options,
+            )
+        if engine == "spark":
+            raise LedgerError(
+                "engine='spark' needs an active SparkSession whose spark.sql.extensions "
+                f"includes {DELTA_SPARK_EXTENSION} and the delta-spark package "
+                "(pip install 'idem[spark-delta]'); use engine='deltars' otherwise"
+            )
+    from idem.ledger.deltars import DeltaLedger  # noqa: PLC0415 -- deltars imports this module
+
+    return DeltaLedger(
+        config.resolved_ledger_path,
+        storage_options=storage_options,
+        clock=clock,
+        dedup_window_ms=window_ms,
+        **engine_options,
+    )

@@ -1,0 +1,179 @@
+"""The ledger table's schema, and how a batch's rows are made to fit it.
+
+One row per completed key: ``(group, bucket, key)`` plus where the message came
+from, who completed it, the payload fingerprint and when. The table is
+partitioned by ``bucket`` and ``completed_date`` so a Redis rebuild reads only
+the dedup window's partitions, and every batch writes its own files so the
+``completed_at`` statistics of a file are narrow enough to skip it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from idem.errors import LedgerError
+
+PARTITION_COLUMNS: tuple[str, ...] = ("bucket", "completed_date")
+"""Ledger partition columns, outermost first."""
+
+LEDGER_SCHEMA = pa.schema(
+    [
+        pa.field("group", pa.string(), nullable=False),
+        pa.field("bucket", pa.int32(), nullable=False),
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("msg_id", pa.string()),
+        pa.field("origin_msg_id", pa.string()),
+        pa.field("topic", pa.string()),
+        pa.field("queue_id", pa.int32()),
+        pa.field("queue_offset", pa.int64()),
+        pa.field("batch_id", pa.int64()),
+        pa.field("owner", pa.string()),
+        pa.field("fingerprint", pa.string(), nullable=False),
+        pa.field("completed_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("completed_date", pa.date32(), nullable=False),
+        pa.field("result", pa.string()),
+    ]
+)
+"""Arrow schema of the ledger. ``result`` is the JSON result kept for ``@idempotent`` replay."""
+
+REQUIRED_COLUMNS: frozenset[str] = frozenset({"group", "bucket", "key"})
+"""Columns a batch must bring; ``fingerprint`` defaults to ``""`` and the times to now."""
+
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("bucket", pa.int32(), nullable=False),
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("fingerprint", pa.string(), nullable=False),
+        pa.field("completed_at_ms", pa.int64(), nullable=False),
+    ]
+)
+"""What the Redis index needs of a ledger row (times in epoch milliseconds)."""
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def date_of_ms(epoch_ms: int) -> dt.date:
+    """The UTC date of an epoch-millisecond instant (the ``completed_date`` partition)."""
+    return (_EPOCH + dt.timedelta(milliseconds=epoch_ms)).date()
+
+
+def datetime_of_ms(epoch_ms: int) -> dt.datetime:
+    """An aware UTC datetime of an epoch-millisecond instant."""
+    return _EPOCH + dt.timedelta(milliseconds=epoch_ms)
+
+
+def sql_timestamp(epoch_ms: int) -> str:
+    """A SQL timestamp literal (UTC, microseconds) for DataFusion predicates."""
+    return f"'{datetime_of_ms(epoch_ms).strftime('%Y-%m-%dT%H:%M:%S.%fZ')}'"
+
+
+def conform(rows: pa.Table, *, now_ms: int) -> pa.Table:
+    """``rows`` cast to :data:`LEDGER_SCHEMA`, in its column order.
+
+    Columns the ledger does not know (a Delta sink table that is its own
+    ledger carries the user's columns) follow, unchanged. Missing nullable
+    columns become nulls, a missing ``fingerprint`` becomes ``""``, a missing
+    (or null) ``completed_at`` becomes ``now_ms``, and ``completed_date`` is
+    always derived from ``completed_at`` so the partition can never disagree
+    with the time. Raises :class:`LedgerError` naming the
+    column when a required one is missing or null, or a value cannot be cast.
+    """
+    missing = sorted(REQUIRED_COLUMNS - set(rows.column_names))
+    if missing:
+        raise LedgerError(f"rows: missing required column(s) {', '.join(missing)}")
+    n = rows.num_rows
+    now = pa.scalar(datetime_of_ms(now_ms), type=pa.timestamp("us", tz="UTC"))
+    columns: list[pa.Array | pa.ChunkedArray] = []
+    for field in LEDGER_SCHEMA:
+        if field.name == "completed_date":
+            continue
+        if field.name in rows.column_names:
+            column = _cast(rows.column(field.name), field)
+        else:
+            column = pa.nulls(n, field.type)
+        if field.name == "completed_at":
+            column = pc.fill_null(column, now)
+        elif field.name == "fingerprint":
+            column = pc.fill_null(column, "")
+        if not field.nullable and column.null_count:
+            raise LedgerError(f"rows: column {field.name!r} holds {column.null_count} null(s)")
+        columns.append(column)
+    completed_at = columns[LEDGER_SCHEMA.get_field_index("completed_at")]
+    date_index = LEDGER_SCHEMA.get_field_index("completed_date")
+    columns.insert(date_index, pc.cast(completed_at, pa.date32()))
+    table = pa.Table.from_arrays(columns, schema=LEDGER_SCHEMA)
+    for name in rows.column_names:
+        if name not in LEDGER_SCHEMA.names:
+            table = table.append_column(rows.schema.field(name), rows.column(name))
+    return table
+
+
+def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+    if column.type == field.type:
+        return column
+    try:
+        if pa.types.is_timestamp(field.type) and pa.types.is_integer(column.type):
+            # Integer times are epoch milliseconds throughout idem.
+            return pc.cast(pc.multiply(pc.cast(column, pa.int64()), 1000), field.type)
+        return pc.cast(column, field.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise LedgerError(
+            f"rows: column {field.name!r} of type {column.type} cannot become {field.type}: {exc}"
+        ) from exc
+
+
+def make_rows(
+    *,
+    group: str,
+    keys: Sequence[str],
+    buckets: Sequence[int],
+    fingerprints: Sequence[str] | None = None,
+    owner: str | None = None,
+    batch_id: int | None = None,
+    columns: Mapping[str, Sequence[object]] | None = None,
+) -> pa.Table:
+    """Rows for ``keys`` (one per key, same order), ready for ``commit``.
+
+    ``columns`` carries any other ledger column (``msg_id``, ``topic``,
+    ``result``...) as one value per key. ``completed_at`` is left out: the
+    ledger stamps it at commit (``conform(rows, now_ms=...)`` stamps it for a
+    raw write).
+    """
+    n = len(keys)
+    if len(buckets) != n:
+        raise LedgerError(f"buckets: {len(buckets)} values for {n} keys")
+    if fingerprints is not None and len(fingerprints) != n:
+        raise LedgerError(f"fingerprints: {len(fingerprints)} values for {n} keys")
+    data: dict[str, pa.Array] = {
+        "group": pa.array([group] * n, pa.string()),
+        "bucket": pa.array(buckets, pa.int32()),
+        "key": pa.array(keys, pa.string()),
+        "fingerprint": pa.array(list(fingerprints) if fingerprints else [""] * n, pa.string()),
+        "owner": pa.array([owner] * n, pa.string()),
+        "batch_id": pa.array([batch_id] * n, pa.int64()),
+    }
+    for name, values in (columns or {}).items():
+        if name not in LEDGER_SCHEMA.names:
+            raise LedgerError(f"columns: {name!r} is not a ledger column")
+        if len(values) != n:
+            raise LedgerError(f"columns[{name!r}]: {len(values)} values for {n} keys")
+        data[name] = pa.array(list(values), LEDGER_SCHEMA.field(name).type)
+    return pa.table(data)
+
+
+def to_index_rows(table: pa.Table) -> pa.Table:
+    """``bucket, key, fingerprint, completed_at`` rows as :data:`INDEX_SCHEMA`."""
+    micros = pc.cast(table.column("completed_at"), pa.int64())
+    return pa.Table.from_arrays(
+        [
+            pc.cast(table.column("bucket"), pa.int32()),
+            pc.cast(table.column("key"), pa.string()),
+            pc.cast(table.column("fingerprint"), pa.string()),
+            pc.divide(micros, 1000),
+        ],
+        schema=INDEX_SCHEMA,
+    )

@@ -1,0 +1,121 @@
+"""``idem schedule`` and ``idem retry {rebuild,stats}``.
+
+``idem schedule --group G`` runs the group's schedule service in the
+foreground until interrupted (SIGINT / SIGTERM); ``idem retry rebuild`` clears
+the group's Redis side and rebuilds it from the Delta retry journal; ``idem
+retry stats`` prints what is scheduled, in the retry topic and in the journal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from dataclasses import asdict
+from types import FrameType
+from typing import Any
+
+from idem.config import IdemConfig
+from idem.retry.engine import RetryEngine
+from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
+
+_CONFIG_OPTIONS = {
+    "group": "group",
+    "redis_url": "redis_url",
+    "delay_levels": "delay_levels",
+    "data_dir": "data_dir",
+    "journal_path": "journal_path",
+    "dlq_path": "dlq_path",
+}
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--group", required=True, help="consumer group (IDEM_GROUP)")
+    parser.add_argument("--redis-url", help="redis:// or rediss:// URL (IDEM_REDIS_URL)")
+    parser.add_argument("--delay-levels",
+                        help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
+    parser.add_argument("--data-dir", help="where the group's Delta tables live by default")
+    parser.add_argument("--journal-path", help="the retry journal's Delta table")
+    parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
+
+
+def _config(args: argparse.Namespace) -> IdemConfig:
+    overrides: dict[str, Any] = {
+        setting: getattr(args, attr)
+        for attr, setting in _CONFIG_OPTIONS.items()
+        if getattr(args, attr, None) is not None
+    }
+    return IdemConfig.from_env(**overrides)
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    engine = RetryEngine(_config(args))
+    service = engine.schedule_service(batch_size=args.batch_size, max_idle_ms=args.max_idle_ms)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+        service.stop(timeout=0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"idem schedule: group {engine.group}, {engine.config.redis_url}, "
+          f"levels {engine.config.delay_levels}", file=sys.stderr, flush=True)
+    service.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.stop()
+        print(f"idem schedule: moved {service.moved_total} message(s)", file=sys.stderr)
+        engine.close()
+    return 0
+
+
+def _rebuild(args: argparse.Namespace) -> int:
+    engine = RetryEngine(_config(args))
+    try:
+        result = engine.rebuild()
+        print(f"rebuilt {engine.group} from {engine.journal.path}: "
+              f"{result.scheduled} scheduled, {result.removed} removed, "
+              f"{engine.pending()} pending")
+    finally:
+        engine.close()
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    engine = RetryEngine(_config(args))
+    try:
+        stats = engine.stats()
+        print(json.dumps(asdict(stats), indent=2, default=str))
+    finally:
+        engine.close()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``schedule`` and ``retry`` to the ``idem`` command line."""
+    schedule = subparsers.add_parser(
+        "schedule", help="run the schedule service of a consumer group until interrupted"
+    )
+    _add_config_options(schedule)
+    schedule.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                          help="messages moved per Lua call")
+    schedule.add_argument("--max-idle-ms", type=int, default=DEFAULT_MAX_IDLE_MS,
+                          help="longest wait without looking at the queues")
+    schedule.set_defaults(func=_schedule)
+
+    retry = subparsers.add_parser("retry", help="the resend path: rebuild, stats")
+    commands = retry.add_subparsers(dest="retry_command", metavar="ACTION", required=True)
+    rebuild = commands.add_parser(
+        "rebuild", help="clear the group's Redis side and rebuild it from the retry journal"
+    )
+    _add_config_options(rebuild)
+    rebuild.set_defaults(func=_rebuild)
+    stats = commands.add_parser("stats", help="scheduled / retrying counts, cursor, journal")
+    _add_config_options(stats)
+    stats.set_defaults(func=_stats)

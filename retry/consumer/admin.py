@@ -1,0 +1,61 @@
+"""Operator tools of a consumer group: offsets, members, ``resetOffsetByTime``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+import redis
+
+from idem.retry.consumer.offset_store import RemoteOffsetStore
+from idem.retry.consumer.push_consumer import RESET_NOTICE
+from idem.retry.consumer.rebalance import Membership
+from idem.retry.consumer.topics import MessageQueue, TopicStore
+
+
+def consumer_offsets(client: redis.Redis, group: str) -> dict[MessageQueue, int]:
+    """The persisted offsets of ``group`` (clustering)."""
+    return RemoteOffsetStore(client, group).stored()
+
+
+def reset_offset_by_time(
+    client: redis.Redis,
+    group: str,
+    topic: str,
+    timestamp_ms: int,
+    *,
+    offset_client: redis.Redis | None = None,
+) -> dict[MessageQueue, int]:
+    """Move ``group``'s offsets of ``topic`` to the first message stored at ``timestamp_ms``.
+
+    The new offsets are written to the store and pushed to the running
+    instances, which drop those queues (in-flight results are not committed) and
+    start them again from there (``RESET_CONSUMER_CLIENT_OFFSET``). Offsets moved
+    backwards deliver messages again (redelivery case C8).
+    """
+    topics = TopicStore(client)
+    offsets = {mq: topics.search_offset(mq, timestamp_ms) for mq in topics.message_queues(topic)}
+    return reset_offsets(client, group, offsets, offset_client=offset_client)
+
+
+def reset_offsets(
+    client: redis.Redis,
+    group: str,
+    offsets: dict[MessageQueue, int],
+    *,
+    offset_client: redis.Redis | None = None,
+) -> dict[MessageQueue, int]:
+    """Set ``group``'s offsets of some queues and tell its running instances."""
+    store = RemoteOffsetStore(offset_client or client, group)
+    if offsets:
+        values: dict[str | bytes, int] = {str(mq): o for mq, o in offsets.items()}
+        store.client.hset(store.key, mapping=cast(Any, values))
+    notice = json.dumps({str(mq): o for mq, o in offsets.items()})
+    Membership(client, group, "admin", expire_ms=1).publish(RESET_NOTICE + notice)
+    return offsets
+
+
+def members(client: redis.Redis, group: str) -> tuple[str, ...]:
+    """The live instances of ``group`` (as of their last heartbeats)."""
+    view = Membership(client, group, "admin", expire_ms=2**62)
+    return view.look().client_ids

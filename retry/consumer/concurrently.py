@@ -1,0 +1,287 @@
+"""Concurrent consumption (``ConsumeMessageConcurrentlyService``) and the consume timeout.
+
+Pulled messages are split into consume requests of ``consume_message_batch_max_size``
+and run on a thread pool. After the listener (through the middleware) answers:
+
+- a queue dropped meanwhile commits nothing (redelivery case C6);
+- clustering: failed messages are sent back through the retry engine (broker
+  path, then the client-side resend); any the engine could not place are kept
+  in the process queue and consumed again locally after 5 s
+  (``submitConsumeRequestLater``); the rest are removed and the offset moves to
+  the smallest message still in flight;
+- broadcasting: failed messages are logged and dropped (RocketMQ does not retry
+  them).
+
+The consume timeout is per message: each message's consume start is recorded
+and a watchdog sends a message still in flight ``consume_timeout_ms`` later
+back at delay level 3 and removes it, so the offset can advance (redelivery case
+C7). RocketMQ scans every ``consumeTimeout`` minutes (a stuck message waits up
+to twice the timeout) and ignores a changed timeout; here the watchdog sleeps
+until the earliest deadline (at most 250 ms), and reads the timeout on every look.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from idem.errors import IdemError
+from idem.retry.consumer.listener import BatchResult
+from idem.retry.consumer.process_queue import ProcessQueue
+from idem.retry.consumer.runtime import Runtime
+from idem.retry.consumer.topics import MessageQueue
+from idem.retry.engine import SendBackResult
+from idem.retry.message import MessageExt
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_DELAY_LEVEL = 3
+"""``cleanExpiredMsg`` sends an expired message back at delay level 3."""
+
+WATCHDOG_MAX_WAIT_MS = 250
+"""Longest the watchdog sleeps without looking (a changed timeout is seen this fast)."""
+
+
+def _unplaced(result: SendBackResult) -> set[str]:
+    return {o.msg_id for o in result.resubmit}
+
+
+class ConcurrentlyService:
+    """Runs consume requests of concurrently consumed queues."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.executor = ThreadPoolExecutor(
+            rt.settings.consume_thread_nums, thread_name_prefix=f"{rt.client_id}-consume"
+        )
+        self.watchdog = ConsumeTimeoutWatchdog(self)
+        self._queues: dict[MessageQueue, ProcessQueue] = {}
+        self._queues_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the consume-timeout watchdog."""
+        self.watchdog.start()
+
+    def shutdown(self, await_ms: int) -> None:
+        """Stop taking requests; wait up to ``await_ms`` for running ones."""
+        self.watchdog.stop()
+        self.executor.shutdown(wait=await_ms > 0, cancel_futures=True)
+
+    def watch(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """Let the watchdog see ``pq``."""
+        with self._queues_lock:
+            self._queues[mq] = pq
+
+    def watched(self) -> list[tuple[MessageQueue, ProcessQueue]]:
+        """The queues the watchdog looks at (dropped ones are forgotten)."""
+        with self._queues_lock:
+            for mq, pq in list(self._queues.items()):
+                if pq.dropped:
+                    del self._queues[mq]
+            return list(self._queues.items())
+
+    # -- submitting ----------------------------------------------------------------------
+
+    def submit(self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
+        """Split ``messages`` into consume requests and queue them (``submitConsumeRequest``)."""
+        self.watch(mq, pq)
+        size = self.rt.settings.consume_message_batch_max_size
+        for start in range(0, len(messages), size):
+            batch = list(messages[start : start + size])
+            try:
+                self.executor.submit(self._consume, batch, pq, mq)
+            except RuntimeError:  # shut down
+                return
+
+    def submit_later(self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue,
+                     delay_ms: int) -> None:
+        """Consume ``messages`` again after ``delay_ms`` (``submitConsumeRequestLater``)."""
+        batch = list(messages)
+        self.rt.stats.add(resubmitted=len(batch))
+        self.rt.scheduler.schedule(delay_ms, lambda: self.submit(batch, pq, mq),
+                                   name="submit-later")
+
+    # -- one request ---------------------------------------------------------------------
+
+    def _consume(self, messages: list[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
+        try:
+            self._consume_request(messages, pq, mq)
+        except Exception:
+            log.exception("%s: consume request on %s failed", self.rt.client_id, mq)
+
+    def _consume_request(self, messages: list[MessageExt], pq: ProcessQueue,
+                         mq: MessageQueue) -> None:
+        if pq.dropped:
+            log.info("the message queue %s cannot be consumed: it was dropped", mq)
+            return
+        messages = [m for m in messages if pq.contains(m)]  # expired or removed meanwhile
+        if not messages:
+            return
+        # the watchdog wakes at least every 250 ms and a timeout is >= 1 s: no need to poke it
+        pq.mark_consume_start(messages, self.rt.clock.now_ms())
+        result = self.rt.build_chain(mq, orderly=False)(messages)
+        if pq.dropped:
+            self.rt.stats.add(dropped_results=len(messages))
+            log.warning("%s: %s was dropped while consuming; %d result(s) not committed",
+                        self.rt.client_id, mq, len(messages))
+            return
+        self.process_consume_result(messages, result, pq, mq)
+
+    def process_consume_result(self, messages: Sequence[MessageExt], result: BatchResult,
+                               pq: ProcessQueue, mq: MessageQueue) -> None:
+        """Send back or drop the failures, remove the rest, move the offset."""
+        acked = [messages[i] for i in result.acked]
+        failed = [messages[i] for i in sorted(result.failed)]
+        self.rt.stats.add(consumed_ok=len(acked), consume_failed=len(failed))
+        keep: list[MessageExt] = []
+        if self.rt.broadcasting:
+            for i in sorted({*result.failed, *result.dead}):
+                log.warning("BROADCASTING, the message consume failed, drop it: %s",
+                            messages[i].msg_id)
+            self.rt.stats.add(broadcast_dropped=len(result.failed) + len(result.dead))
+        else:
+            keep = self._send_back(messages, result)
+        kept = {m.msg_id for m in keep}
+        offset = pq.remove_messages([m for m in messages if m.msg_id not in kept])
+        if offset >= 0:
+            self.rt.commit_offset(mq, pq, offset, increase_only=True)
+        if self.rt.is_retry_queue(mq) and acked:
+            self.rt.ack_retried(acked)
+        if keep:
+            again = [m.evolve(reconsume_times=m.reconsume_times + 1) for m in keep]
+            self.submit_later(again, pq, mq, self._resubmit_delay_ms())
+
+    def _resubmit_delay_ms(self) -> int:
+        engine = self.rt.engine
+        return engine.faults.resubmit_delay_ms if engine is not None else 5000
+
+    def _send_back(self, messages: Sequence[MessageExt], result: BatchResult) -> list[MessageExt]:
+        """Dead-letter and send back; returns the messages no path could place."""
+        engine = self.rt.engine
+        if engine is None:
+            raise IdemError("a clustering consumer needs a RetryEngine to send messages back")
+        keep: list[MessageExt] = []
+        dead = [messages[i] for i in sorted(result.dead)]
+        if dead:
+            errors: dict[str, str | BaseException] = {
+                messages[i].msg_id: r for i, r in result.dead.items()
+            }
+            keep += self._call_engine(dead, -1, errors)
+            self.rt.stats.add(dead_lettered=len(dead))
+        by_level: dict[int, list[int]] = defaultdict(list)
+        for i, failure in sorted(result.failed.items()):
+            by_level[failure.delay_level].append(i)
+        for level, indices in by_level.items():
+            batch = [messages[i] for i in indices]
+            errors = {messages[i].msg_id: result.failed[i].reason for i in indices}
+            keep += self._call_engine(batch, level, errors)
+            self.rt.stats.add(sent_back=len(batch))
+        return keep
+
+    def _call_engine(self, batch: Sequence[MessageExt], level: int,
+                     errors: dict[str, str | BaseException]) -> list[MessageExt]:
+        engine = self.rt.engine
+        assert engine is not None
+        try:
+            outcome = engine.send_back(batch, delay_level=level, errors=errors)
+        except Exception:
+            log.exception("%s: send-back of %d message(s) failed; consuming them again later",
+                          self.rt.client_id, len(batch))
+            return list(batch)
+        unplaced = _unplaced(outcome)
+        return [m for m in batch if m.msg_id in unplaced]
+
+    # -- consume timeout -----------------------------------------------------------------
+
+    def expire(self, mq: MessageQueue, pq: ProcessQueue, messages: Sequence[MessageExt]) -> None:
+        """Send messages consumed for too long back at level 3 and remove them."""
+        if self.rt.broadcasting:
+            placed = list(messages)
+            log.warning("BROADCASTING: %d message(s) timed out; dropped", len(placed))
+        else:
+            engine = self.rt.engine
+            assert engine is not None
+            try:
+                outcome = engine.send_back(messages, delay_level=TIMEOUT_DELAY_LEVEL, errors={
+                    m.msg_id: f"consume timeout ({self.rt.consume_timeout_ms} ms)"
+                    for m in messages
+                })
+            except Exception:
+                log.exception("send-back of expired messages failed; retrying")
+                return
+            unplaced = _unplaced(outcome)
+            placed = [m for m in messages if m.msg_id not in unplaced]
+        if not placed:
+            return
+        self.rt.stats.add(expired=len(placed))
+        log.warning("%s: %d message(s) of %s exceeded the consume timeout; sent back",
+                    self.rt.client_id, len(placed), mq)
+        offset = pq.remove_messages(placed)
+        if offset >= 0:
+            self.rt.commit_offset(mq, pq, offset, increase_only=True)
+
+
+class ConsumeTimeoutWatchdog:
+    """Finds messages in flight longer than the consume timeout, as soon as they are."""
+
+    def __init__(self, service: ConcurrentlyService) -> None:
+        self.service = service
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.looks = 0
+
+    def poke(self) -> None:
+        """Look again now (a consume started, or the timeout changed)."""
+        with self._cond:
+            self._cond.notify()
+
+    def start(self) -> None:
+        """Run in a daemon thread."""
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"{self.service.rt.client_id}-timeout", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def look(self) -> int:
+        """Expire what is due now; returns the wait (ms) until the next deadline."""
+        rt = self.service.rt
+        timeout = rt.consume_timeout_ms
+        now = rt.clock.now_ms()
+        wait = WATCHDOG_MAX_WAIT_MS
+        self.looks += 1
+        for mq, pq in self.service.watched():
+            due = pq.expired(now, timeout)
+            if due:
+                try:
+                    self.service.expire(mq, pq, due)
+                except Exception:
+                    log.exception("expiring messages of %s failed", mq)
+            earliest = pq.earliest_start()
+            if earliest is not None:
+                wait = min(wait, max(earliest + timeout - now, 1))
+        return wait
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+            wait = self.look()
+            with self._cond:
+                if self._stopped:
+                    return
+                self._cond.wait(wait / 1000)

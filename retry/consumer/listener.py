@@ -1,0 +1,219 @@
+"""Listeners, per-row consume results, and the middleware chain around a listener.
+
+A consume call goes through the consumer's middleware (outermost first) and
+ends in the user's listener. Each layer answers with a :class:`BatchResult`:
+per message of the call, acknowledged (the default), failed (sent back /
+retried, with its own delay level) or dead (to ``%DLQ%<group>`` now). The
+listener itself answers in RocketMQ's terms — a status and ``ack_index`` — and
+:meth:`BatchResult.from_concurrently` / :meth:`BatchResult.from_orderly`
+translate that, so RocketMQ's batch semantics hold unless a middleware knows
+better.
+
+A listener that writes its messages one by one may say which of them reached
+the sink with :func:`mark_done`; a middleware that completes keys (idem's
+dedup hook) reads those marks even when the batch as a whole failed.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from idem.retry.consumer.topics import MessageQueue
+from idem.retry.message import MessageExt
+from idem.retry.status import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+)
+
+log = logging.getLogger(__name__)
+
+MessageListenerConcurrently = Callable[
+    [Sequence[MessageExt], ConsumeConcurrentlyContext], "ConsumeConcurrentlyStatus | None"
+]
+"""``consumeMessage(msgs, context)`` of a concurrent listener."""
+
+MessageListenerOrderly = Callable[
+    [Sequence[MessageExt], ConsumeOrderlyContext], "ConsumeOrderlyStatus | None"
+]
+"""``consumeMessage(msgs, context)`` of an orderly listener."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why a message failed and at which delay level it should come back (0: the ladder)."""
+
+    reason: str
+    delay_level: int = 0
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """Per-message outcome of one consume call (indices into its messages)."""
+
+    size: int
+    failed: dict[int, Failure] = field(default_factory=dict)
+    dead: dict[int, str] = field(default_factory=dict)
+    suspend_ms: int = -1
+    """Orderly: how long to pause the queue after a failure (``-1``: the consumer's default)."""
+
+    @property
+    def acked(self) -> list[int]:
+        """Indices neither failed nor dead."""
+        return [i for i in range(self.size) if i not in self.failed and i not in self.dead]
+
+    @property
+    def ok(self) -> bool:
+        """Whether every message was acknowledged."""
+        return not self.failed and not self.dead
+
+    @classmethod
+    def from_concurrently(
+        cls,
+        size: int,
+        status: ConsumeConcurrentlyStatus,
+        context: ConsumeConcurrentlyContext,
+        reason: str = "RECONSUME_LATER",
+    ) -> BatchResult:
+        """``processConsumeResult``: success acks ``0..ack_index``, failure acks none."""
+        if status is ConsumeConcurrentlyStatus.CONSUME_SUCCESS:
+            first_failed = min(context.ack_index, size - 1) + 1
+        else:
+            first_failed = 0
+        failure = Failure(reason, context.delay_level_when_next_consume)
+        return cls(size, failed=dict.fromkeys(range(first_failed, size), failure))
+
+    @classmethod
+    def from_orderly(
+        cls,
+        size: int,
+        status: ConsumeOrderlyStatus,
+        context: ConsumeOrderlyContext,
+        reason: str = "SUSPEND_CURRENT_QUEUE_A_MOMENT",
+    ) -> BatchResult:
+        """Orderly: success acks the batch; a suspend fails all of it (retried in place)."""
+        if status is ConsumeOrderlyStatus.SUCCESS:
+            return cls(size)
+        return cls(size, failed=dict.fromkeys(range(size), Failure(reason)),
+                   suspend_ms=context.suspend_current_queue_time_millis)
+
+    def subset(self, indices: Sequence[int], size: int) -> BatchResult:
+        """This result mapped into a larger call where message ``k`` was ``indices[k]``."""
+        return BatchResult(
+            size,
+            failed={indices[k]: f for k, f in self.failed.items()},
+            dead={indices[k]: r for k, r in self.dead.items()},
+            suspend_ms=self.suspend_ms,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumeScope:
+    """What a middleware knows about the call it wraps."""
+
+    mq: MessageQueue
+    client_id: str
+    orderly: bool
+
+
+CallNext = Callable[[Sequence[MessageExt]], BatchResult]
+"""The rest of the chain: consume these messages, answer per message."""
+
+
+class Middleware(Protocol):
+    """A layer around the listener (dedup, metrics, fault injection...)."""
+
+    def __call__(
+        self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
+    ) -> BatchResult:
+        """Consume ``messages`` (usually by calling ``call_next`` with some of them)."""
+        ...
+
+
+def chain(middleware: Sequence[Middleware], terminal: CallNext, scope: ConsumeScope) -> CallNext:
+    """``terminal`` wrapped by ``middleware`` (the first one outermost)."""
+    call = terminal
+    for layer in reversed(middleware):
+        def bound(messages: Sequence[MessageExt], _layer: Middleware = layer,
+                  _next: CallNext = call) -> BatchResult:
+            return _layer(messages, scope, _next)
+        call = bound
+    return call
+
+
+# -- per-row marks ------------------------------------------------------------------------
+
+class DoneMarks:
+    """Messages a listener reported as written, by msg id and queue offset."""
+
+    def __init__(self) -> None:
+        self.used = False
+        self.done: set[tuple[str, int]] = set()
+
+    def mark(self, message: MessageExt) -> None:
+        """Record ``message`` as having reached the sink."""
+        self.used = True
+        self.done.add((message.msg_id, message.queue_offset))
+
+    def is_done(self, message: MessageExt) -> bool:
+        """Whether ``message`` was marked."""
+        return (message.msg_id, message.queue_offset) in self.done
+
+
+_MARKS: contextvars.ContextVar[DoneMarks | None] = contextvars.ContextVar(
+    "idem_consume_marks", default=None
+)
+
+
+def mark_done(message: MessageExt) -> None:
+    """Say that ``message`` reached the sink (a no-op when no middleware listens)."""
+    marks = _MARKS.get()
+    if marks is not None:
+        marks.mark(message)
+
+
+@contextmanager
+def collecting_marks() -> Iterator[DoneMarks]:
+    """Collect :func:`mark_done` calls made inside the block (in this thread)."""
+    marks = DoneMarks()
+    token = _MARKS.set(marks)
+    try:
+        yield marks
+    finally:
+        _MARKS.reset(token)
+
+
+class DefaultMessageListenerConcurrently:
+    """The seeds' ``DefaultMessageListenerConcurrently``: handle messages one by one.
+
+    The first exception stops the batch and returns ``RECONSUME_LATER`` — so the
+    whole batch is sent back, including the messages already handled (redelivery
+    case C2), exactly as RocketMQ does. Each handled message is reported with
+    :func:`mark_done`, which idem's dedup hook uses to complete it anyway.
+    """
+
+    def __init__(self, handle_message: Callable[[MessageExt], object], *,
+                 delay_level_when_next_consume: int = 0) -> None:
+        self.handle_message = handle_message
+        self.delay_level_when_next_consume = delay_level_when_next_consume
+
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        for message in messages:
+            try:
+                self.handle_message(message)
+            except Exception:
+                log.warning("consume message failed. msg_id=%s topic=%s reconsume_times=%d",
+                            message.msg_id, message.topic, message.reconsume_times,
+                            exc_info=True)
+                context.delay_level_when_next_consume = self.delay_level_when_next_consume
+                return ConsumeConcurrentlyStatus.RECONSUME_LATER
+            mark_done(message)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS

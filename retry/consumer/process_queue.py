@@ -1,0 +1,221 @@
+"""The process queue: a queue's in-flight messages, ordered by offset (``ProcessQueue``).
+
+The committed offset of a queue is the smallest offset still in flight, or the
+largest offset ever put plus one when nothing is (``removeMessage``): a slow
+message holds the offset back, and a crash redelivers everything after it —
+RocketMQ's design, and a redelivery case the dedup layer absorbs.
+
+Flow control reads three numbers here: cached message count, cached size and
+the offset span between the first and the last cached message. An orderly
+consumer also keeps the messages it is consuming apart until they commit
+(``consumingMsgOrderlyTreeMap``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Sequence
+
+from idem.retry.consumer.topics import MessageQueue
+from idem.retry.message import MessageExt
+
+REBALANCE_LOCK_MAX_LIVE_TIME_MS = 30_000
+"""How long a client trusts an orderly queue lock it has not renewed."""
+
+
+def message_size(message: MessageExt) -> int:
+    """The bytes a message counts for in flow control (its body)."""
+    return len(message.body)
+
+
+class ProcessQueue:
+    """In-flight messages of one :class:`MessageQueue` (thread-safe)."""
+
+    def __init__(self, mq: MessageQueue, next_offset: int = 0) -> None:
+        self.mq = mq
+        self.next_offset = next_offset
+        """Where the next pull of this queue starts (``PullRequest.nextOffset``)."""
+        self._lock = threading.RLock()
+        self._offsets: list[int] = []
+        self._messages: dict[int, MessageExt] = {}
+        self._started: dict[int, int] = {}
+        self._consuming: dict[int, MessageExt] = {}
+        self._size = 0
+        self.queue_offset_max = -1
+        self.dropped = False
+        """Set when the queue was taken away (rebalance, reset): results are not committed."""
+        self.locked = False
+        """Orderly: this client holds the queue's lock."""
+        self.last_lock_ms = 0
+        self.previously_locked = False
+        self.consume_lock = threading.Lock()
+        """Orderly: one consume request of this queue at a time, and not while it is removed."""
+        self.consuming = False
+        """Orderly: a consume request of this queue is scheduled or running."""
+
+    # -- counts --------------------------------------------------------------------------
+
+    @property
+    def msg_count(self) -> int:
+        """Cached messages (in flight, including those an orderly consumer is consuming)."""
+        with self._lock:
+            return len(self._messages) + len(self._consuming)
+
+    @property
+    def msg_size(self) -> int:
+        """Cached bytes."""
+        with self._lock:
+            return self._size
+
+    def max_span(self) -> int:
+        """Offset span between the first and the last cached message (0 when empty)."""
+        with self._lock:
+            return self._offsets[-1] - self._offsets[0] if self._offsets else 0
+
+    def first_offset(self) -> int | None:
+        """The smallest offset in flight (``None``: none)."""
+        with self._lock:
+            return self._offsets[0] if self._offsets else None
+
+    def snapshot(self) -> list[MessageExt]:
+        """The cached messages in offset order (a copy)."""
+        with self._lock:
+            return [self._messages[o] for o in self._offsets]
+
+    # -- concurrently --------------------------------------------------------------------
+
+    def put_messages(self, messages: Iterable[MessageExt]) -> list[MessageExt]:
+        """Cache pulled messages; returns those that were new (an offset already cached is not)."""
+        added: list[MessageExt] = []
+        with self._lock:
+            for message in messages:
+                offset = message.queue_offset
+                if offset in self._messages or offset in self._consuming:
+                    continue
+                bisect.insort(self._offsets, offset)
+                self._messages[offset] = message
+                self._size += message_size(message)
+                self.queue_offset_max = max(self.queue_offset_max, offset)
+                added.append(message)
+        return added
+
+    def remove_messages(self, messages: Iterable[MessageExt]) -> int:
+        """Remove consumed messages; returns the offset to commit (``-1``: nothing was cached)."""
+        with self._lock:
+            if not self._messages:
+                return -1
+            for message in messages:
+                offset = message.queue_offset
+                cached = self._messages.get(offset)
+                if cached is None or cached.msg_id != message.msg_id:
+                    continue
+                del self._messages[offset]
+                self._started.pop(offset, None)
+                del self._offsets[bisect.bisect_left(self._offsets, offset)]
+                self._size -= message_size(cached)
+            return self._offsets[0] if self._offsets else self.queue_offset_max + 1
+
+    def contains(self, message: MessageExt) -> bool:
+        """Whether ``message`` is still cached (not consumed, expired or dropped)."""
+        with self._lock:
+            cached = self._messages.get(message.queue_offset)
+            return cached is not None and cached.msg_id == message.msg_id
+
+    # -- consume timeout -----------------------------------------------------------------
+
+    def mark_consume_start(self, messages: Sequence[MessageExt], now_ms: int) -> None:
+        """Record when consumption of ``messages`` began (``CONSUME_START_TIME``)."""
+        with self._lock:
+            for message in messages:
+                if message.queue_offset in self._messages:
+                    self._started[message.queue_offset] = now_ms
+
+    def consume_started_ms(self, message: MessageExt) -> int | None:
+        """When consumption of ``message`` began (``None``: not started or not cached)."""
+        with self._lock:
+            if not self.contains(message):
+                return None
+            return self._started.get(message.queue_offset)
+
+    def earliest_start(self) -> int | None:
+        """The earliest consume start among cached messages (``None``: none started)."""
+        with self._lock:
+            return min(self._started.values()) if self._started else None
+
+    def expired(self, now_ms: int, timeout_ms: int) -> list[MessageExt]:
+        """Cached messages consumed for at least ``timeout_ms``, in offset order."""
+        with self._lock:
+            limit = now_ms - timeout_ms
+            return [
+                self._messages[o]
+                for o in sorted(o for o, at in self._started.items() if at <= limit)
+                if o in self._messages
+            ]
+
+    # -- orderly -------------------------------------------------------------------------
+
+    def dispatch_to_consume(self) -> bool:
+        """Orderly: whether a consume request must be started (none is, and messages wait)."""
+        with self._lock:
+            if self._offsets and not self.consuming:
+                self.consuming = True
+                return True
+            return False
+
+    def take_messages(self, batch_size: int) -> list[MessageExt]:
+        """Move up to ``batch_size`` first messages into the consuming set (``takeMessages``).
+
+        Taking nothing ends the running consume request (``consuming`` is cleared).
+        """
+        with self._lock:
+            if not self._offsets:
+                self.consuming = False
+                return []
+            taken = self._offsets[:batch_size]
+            del self._offsets[:batch_size]
+            out = []
+            for offset in taken:
+                message = self._messages.pop(offset)
+                self._consuming[offset] = message
+                out.append(message)
+            return out
+
+    def commit(self) -> int:
+        """Forget the consuming set; returns the offset after it (``-1``: it was empty)."""
+        with self._lock:
+            if not self._consuming:
+                return -1
+            offset = max(self._consuming) + 1
+            self._size -= sum(message_size(m) for m in self._consuming.values())
+            self._consuming.clear()
+            return offset
+
+    def make_message_to_consume_again(self, messages: Sequence[MessageExt]) -> None:
+        """Put consuming messages back in front, as given (e.g. ``reconsume_times`` + 1)."""
+        with self._lock:
+            for message in messages:
+                offset = message.queue_offset
+                if self._consuming.pop(offset, None) is None:
+                    continue
+                bisect.insort(self._offsets, offset)
+                self._messages[offset] = message
+
+    def is_lock_expired(
+        self, now_ms: int, max_live_ms: int = REBALANCE_LOCK_MAX_LIVE_TIME_MS
+    ) -> bool:
+        """Whether this client's lock was last confirmed more than ``max_live_ms`` ago."""
+        return now_ms - self.last_lock_ms > max_live_ms
+
+    def clear(self) -> None:
+        """Forget everything cached (the queue was dropped)."""
+        with self._lock:
+            self._offsets.clear()
+            self._messages.clear()
+            self._started.clear()
+            self._consuming.clear()
+            self._size = 0
+
+    def __repr__(self) -> str:
+        return (f"ProcessQueue({self.mq}, cached={self.msg_count}, next={self.next_offset}, "
+                f"dropped={self.dropped})")

@@ -1,0 +1,472 @@
+"""``PushConsumer``: RocketMQ's push consumer for one group, on Redis.
+
+::
+
+    consumer = PushConsumer(IdemConfig(group="billing", redis_url=...),
+                            settings=ConsumerSettings(consume_message_batch_max_size=16))
+    consumer.subscribe("orders")
+    consumer.register_message_listener_concurrently(listener)
+    consumer.use(DedupMiddleware(Dedup(config), key="keys"))   # exactly once per key
+    consumer.start()
+
+Clustering (default): the group's instances share the queues (rebalance), a
+failed message is sent back through the retry engine, ``%RETRY%<group>`` is
+subscribed automatically, offsets live in Redis and are persisted every 5 s.
+Broadcasting: every instance consumes every queue, offsets live in a local
+file, and a failed message is logged and *dropped* — RocketMQ does not retry
+broadcast messages, and neither does this consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import IdemConfig
+from idem.errors import ConfigError
+from idem.retry.consumer.concurrently import ConcurrentlyService
+from idem.retry.consumer.listener import (
+    BatchResult,
+    CallNext,
+    ConsumeScope,
+    MessageListenerConcurrently,
+    MessageListenerOrderly,
+    Middleware,
+    chain,
+)
+from idem.retry.consumer.offset_store import (
+    LocalFileOffsetStore,
+    OffsetStore,
+    ReadOffsetType,
+    RemoteOffsetStore,
+)
+from idem.retry.consumer.orderly import OrderlyService, QueueLocks
+from idem.retry.consumer.process_queue import ProcessQueue
+from idem.retry.consumer.pull import PullService, TagFilter
+from idem.retry.consumer.rebalance import (
+    Membership,
+    RebalanceImpl,
+    RebalanceService,
+)
+from idem.retry.consumer.scheduler import Scheduler
+from idem.retry.consumer.settings import ConsumeFromWhere, ConsumerSettings
+from idem.retry.consumer.stats import ConsumerStats
+from idem.retry.consumer.topics import MessageQueue, TopicStore
+from idem.retry.engine import RetryEngine
+from idem.retry.message import MessageExt, retry_topic
+from idem.retry.schedule import ScheduleService
+from idem.retry.status import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+    MessageModel,
+)
+
+log = logging.getLogger(__name__)
+
+HALF_HOUR_MS = 30 * 60_000
+RESET_NOTICE = "reset:"
+
+
+class PushConsumer:
+    """One instance of a consumer group (``DefaultMQPushConsumer``)."""
+
+    def __init__(
+        self,
+        config: IdemConfig,
+        *,
+        settings: ConsumerSettings | None = None,
+        client: redis.Redis | None = None,
+        engine: RetryEngine | None = None,
+        offset_client: redis.Redis | None = None,
+        instance_name: str | None = None,
+        middleware: Sequence[Middleware] = (),
+        run_schedule_service: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.config = config
+        self.group = config.group
+        self.settings = settings or ConsumerSettings()
+        self.clock = clock
+        self.client = client if client is not None else redis.Redis.from_url(config.redis_url)
+        name = instance_name or uuid.uuid4().hex[:8]
+        self.client_id = f"{socket.gethostname()}@{os.getpid()}@{name}"
+        self.topics = TopicStore(self.client, clock=clock)
+        self.stats = ConsumerStats()
+        self.scheduler = Scheduler(f"{self.client_id}-timer")
+        clustering = self.settings.message_model is MessageModel.CLUSTERING
+        if engine is None and clustering:
+            engine = RetryEngine(config, client=self.client, clock=clock)
+        self.engine = engine
+        self.offset_store: OffsetStore
+        if clustering:
+            self.offset_store = RemoteOffsetStore(offset_client or self.client, self.group)
+        else:
+            directory = self.settings.offset_store_dir or str(Path.home() / ".rocketmq_offsets")
+            self.offset_store = LocalFileOffsetStore(directory, name, self.group)
+        self.run_schedule_service = run_schedule_service and engine is not None
+        self._middleware: list[Middleware] = list(middleware)
+        self._filters: dict[str, TagFilter] = {}
+        self._concurrently: MessageListenerConcurrently | None = None
+        self._orderly: MessageListenerOrderly | None = None
+        self._consume_timeout_ms = self.settings.consume_timeout_ms
+        self._retry_topic = retry_topic(self.group)
+        self._retry_acks: list[MessageExt] = []
+        self._acks_lock = threading.Lock()
+        self._started = False
+        self._consume_timestamp_ms = 0
+        self.rebalance: RebalanceImpl | None = None
+        self.rebalance_service: RebalanceService | None = None
+        self.membership: Membership | None = None
+        self.pull_service: PullService | None = None
+        self.concurrently_service: ConcurrentlyService | None = None
+        self.orderly_service: OrderlyService | None = None
+        self.schedule_service: ScheduleService | None = None
+
+    # -- configuration -------------------------------------------------------------------
+
+    def subscribe(self, topic: str, sub_expression: str = "*") -> None:
+        """Consume ``topic`` (messages whose tag matches ``"TagA || TagB"``; ``*`` = all)."""
+        if self._started:
+            raise ConfigError("subscribe: call it before start()")
+        self._filters[topic] = TagFilter(sub_expression)
+
+    def register_message_listener_concurrently(self, listener: MessageListenerConcurrently) -> None:
+        """Consume with a concurrent listener (``MessageListenerConcurrently``)."""
+        self._concurrently, self._orderly = listener, None
+        self._adopt_middleware(listener)
+
+    def register_message_listener_orderly(self, listener: MessageListenerOrderly) -> None:
+        """Consume with an orderly listener (``MessageListenerOrderly``)."""
+        self._orderly, self._concurrently = listener, None
+        self._adopt_middleware(listener)
+
+    def _adopt_middleware(self, listener: object) -> None:
+        attached = getattr(listener, "idem_middleware", None)
+        if attached is not None and attached not in self._middleware:
+            self._middleware.append(attached)
+
+    def use(self, middleware: Middleware) -> None:
+        """Add a middleware layer (inside the ones added before)."""
+        self._middleware.append(middleware)
+
+    @property
+    def consume_timeout_ms(self) -> int:
+        """Per-message consume timeout; settable while running (takes effect within 250 ms)."""
+        return self._consume_timeout_ms
+
+    @consume_timeout_ms.setter
+    def consume_timeout_ms(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1000:
+            raise ConfigError(f"consume_timeout_ms: {value!r} must be a whole number >= 1000")
+        self._consume_timeout_ms = value
+        if self.concurrently_service is not None:
+            self.concurrently_service.watchdog.poke()
+
+    @property
+    def max_reconsume_times(self) -> int:
+        """The settings' value, or the group's (``IdemConfig.max_reconsume_times``)."""
+        configured = self.settings.max_reconsume_times
+        return self.config.max_reconsume_times if configured < 0 else configured
+
+    @property
+    def broadcasting(self) -> bool:
+        """Whether this consumer broadcasts (failed messages are dropped)."""
+        return self.settings.message_model is MessageModel.BROADCASTING
+
+    @property
+    def orderly(self) -> bool:
+        """Whether the listener is orderly."""
+        return self._orderly is not None
+
+    # -- the chain -----------------------------------------------------------------------
+
+    def build_chain(self, mq: MessageQueue, *, orderly: bool) -> CallNext:
+        """The middleware chain ending in the listener, for one call on ``mq``."""
+        scope = ConsumeScope(mq=mq, client_id=self.client_id, orderly=orderly)
+        terminal = self._call_orderly if orderly else self._call_concurrently
+        return chain(self._middleware, terminal, scope)
+
+    def _call_concurrently(self, messages: Sequence[MessageExt]) -> BatchResult:
+        if not messages:
+            return BatchResult(0)
+        listener = self._concurrently
+        assert listener is not None
+        context = ConsumeConcurrentlyContext()
+        reason = "RECONSUME_LATER"
+        try:
+            raw = listener(messages, context)
+            status = ConsumeConcurrentlyStatus(raw) if raw is not None else \
+                ConsumeConcurrentlyStatus.RECONSUME_LATER
+        except Exception as exc:  # the listener's own failure: RECONSUME_LATER, as RocketMQ
+            log.warning("listener failed on %d message(s)", len(messages), exc_info=True)
+            status = ConsumeConcurrentlyStatus.RECONSUME_LATER
+            reason = f"{type(exc).__name__}: {exc}"
+        return BatchResult.from_concurrently(len(messages), status, context, reason)
+
+    def _call_orderly(self, messages: Sequence[MessageExt]) -> BatchResult:
+        if not messages:
+            return BatchResult(0)
+        listener = self._orderly
+        assert listener is not None
+        context = ConsumeOrderlyContext()
+        reason = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
+        try:
+            raw = listener(messages, context)
+            status = ConsumeOrderlyStatus(raw) if raw is not None else \
+                ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        except Exception as exc:
+            log.warning("orderly listener failed on %d message(s)", len(messages), exc_info=True)
+            status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+            reason = f"{type(exc).__name__}: {exc}"
+        return BatchResult.from_orderly(len(messages), status, context, reason)
+
+    # -- offsets -------------------------------------------------------------------------
+
+    def is_retry_queue(self, mq: MessageQueue) -> bool:
+        """Whether ``mq`` is ``%RETRY%<group>``."""
+        return mq.topic == self._retry_topic
+
+    def commit_offset(self, mq: MessageQueue, pq: ProcessQueue, offset: int, *,
+                      increase_only: bool) -> None:
+        """``updateConsumeOffset``, unless the queue was dropped (its results do not count)."""
+        if pq.dropped or self.is_retry_queue(mq):
+            return
+        self.offset_store.update_offset(mq, offset, increase_only)
+
+    def ack_retried(self, messages: Sequence[MessageExt]) -> None:
+        """Retry-topic messages consumed: acknowledged with the next offset persist."""
+        with self._acks_lock:
+            self._retry_acks.extend(messages)
+
+    def _flush_retry_acks(self) -> None:
+        with self._acks_lock:
+            pending, self._retry_acks = self._retry_acks, []
+        if not pending or self.engine is None:
+            return
+        try:
+            self.engine.ack(pending)
+        except Exception:
+            log.warning("ack of %d retried message(s) failed; again with the next persist",
+                        len(pending), exc_info=True)
+            with self._acks_lock:
+                self._retry_acks[:0] = pending
+
+    def persist_consumer_offset(self) -> None:
+        """Write the offsets of every assigned queue out (the 5 s timer), ack retried ones."""
+        self._flush_retry_acks()
+        if self.rebalance is None:
+            return
+        mqs = [pq.mq for pq in self.rebalance.process_queues() if not self.is_retry_queue(pq.mq)]
+        try:
+            self.offset_store.persist_all(mqs)
+        except Exception:
+            log.warning("%s: persisting offsets failed", self.client_id, exc_info=True)
+
+    # -- rebalance hooks -----------------------------------------------------------------
+
+    def queues_of(self, topic: str) -> list[MessageQueue]:
+        """Every queue of ``topic`` (``%RETRY%<group>`` has one)."""
+        if topic == self._retry_topic:
+            return [MessageQueue(topic, 0)]
+        return self.topics.message_queues(topic)
+
+    def compute_pull_from_where(self, mq: MessageQueue) -> int:
+        """The stored offset, or — a new group — last / first / timestamp."""
+        if self.is_retry_queue(mq):
+            return 0
+        stored = self.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_STORE)
+        if stored >= 0:
+            return stored
+        where = self.settings.consume_from_where
+        if where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
+            offset = 0
+        elif where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
+            offset = self.topics.search_offset(mq, self._consume_timestamp_ms)
+        else:
+            offset = self.topics.max_offset(mq)
+        self.offset_store.update_offset(mq, offset, False)
+        return offset
+
+    def lock_queue(self, mq: MessageQueue, pq: ProcessQueue) -> bool:
+        """Orderly clustering: a queue is taken only with its lock."""
+        if self.orderly_service is None or self.is_retry_queue(mq):
+            return True
+        return self.orderly_service.lock_queue(mq, pq)
+
+    def remove_unnecessary_queue(self, mq: MessageQueue, pq: ProcessQueue) -> bool:
+        """Persist and forget a queue taken away; orderly: release its lock."""
+        if self.is_retry_queue(mq):
+            self._flush_retry_acks()
+            return True
+        try:
+            self.offset_store.persist(mq)
+        except Exception:
+            log.warning("%s: could not persist the offset of %s", self.client_id, mq,
+                        exc_info=True)
+        self.offset_store.remove_offset(mq)
+        if self.orderly_service is not None:
+            return self.orderly_service.unlock_queue(mq, pq)
+        return True
+
+    # -- pulled messages -----------------------------------------------------------------
+
+    def _on_pulled(self, mq: MessageQueue, pq: ProcessQueue, messages: Sequence[MessageExt]) \
+            -> None:
+        if self.orderly_service is not None:
+            self.orderly_service.submit(messages, pq, mq)
+        elif self.concurrently_service is not None:
+            self.concurrently_service.submit(messages, pq, mq)
+
+    def _on_filtered(self, mq: MessageQueue, pq: ProcessQueue, next_offset: int) -> None:
+        if pq.msg_count == 0:
+            self.commit_offset(mq, pq, next_offset, increase_only=True)
+
+    # -- reset offset (RESET_CONSUMER_CLIENT_OFFSET) -------------------------------------
+
+    def _on_notice(self, data: str) -> None:
+        if not data.startswith(RESET_NOTICE) or self.rebalance is None:
+            return
+        try:
+            offsets = {MessageQueue.parse(k): int(v)
+                       for k, v in json.loads(data[len(RESET_NOTICE):]).items()}
+        except (ValueError, TypeError, AttributeError):
+            log.warning("ignoring a malformed reset notice: %r", data[:200])
+            return
+        self.reset_offsets(offsets)
+
+    def reset_offsets(self, offsets: dict[MessageQueue, int]) -> None:
+        """Drop the given queues here and restart them from ``offsets`` (``resetOffset``)."""
+        assert self.rebalance is not None
+        for mq, pq in self.rebalance.drop(list(offsets)):
+            pq.clear()
+            if self.orderly_service is not None:
+                self.orderly_service.unlock_queue(mq, pq)
+            log.warning("%s: offset of %s reset to %d", self.client_id, mq, offsets[mq])
+        for mq, offset in offsets.items():
+            self.offset_store.update_offset(mq, offset, False)
+        if self.rebalance_service is not None:
+            self.rebalance_service.wakeup()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> PushConsumer:
+        """Join the group, take queues, and consume."""
+        if self._started:
+            return self
+        if not self._filters:
+            raise ConfigError("start: subscribe to at least one topic first")
+        if self._concurrently is None and self._orderly is None:
+            raise ConfigError("start: register a message listener first")
+        s = self.settings
+        clustering = not self.broadcasting
+        now = self.clock.now_ms()
+        self._consume_timestamp_ms = s.consume_timestamp_ms or now - HALF_HOUR_MS
+        if clustering and not self.orderly:
+            self._filters.setdefault(self._retry_topic, TagFilter("*"))
+        self.offset_store.load()
+        if self.orderly:
+            locks = QueueLocks(self.client, self.group, self.client_id,
+                               ttl_ms=s.effective_lock_ttl_ms) if clustering else None
+            self.orderly_service = OrderlyService(self, locks)
+        else:
+            self.concurrently_service = ConcurrentlyService(self)
+        self.membership = Membership(self.client, self.group, self.client_id,
+                                     expire_ms=s.effective_heartbeat_expire_ms, clock=self.clock)
+        self.rebalance = RebalanceImpl(client_id=self.client_id, model=s.message_model,
+                                       topics=list(self._filters), hooks=self)
+        self.rebalance_service = RebalanceService(
+            self.membership, self.rebalance, rebalance_interval_ms=s.rebalance_interval_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms, on_notice=self._on_notice,
+            name=f"{self.client_id}-rebalance",
+        )
+        self.pull_service = PullService(
+            client_id=self.client_id, topics=self.topics, rebalance=self.rebalance,
+            settings=s, stats=self.stats, filters=self._filters, orderly=self.orderly,
+            clustering=clustering, on_pulled=self._on_pulled, on_filtered=self._on_filtered,
+            client=self.client, engine=self.engine, retry_topic=self._retry_topic,
+        )
+        self.scheduler.start()
+        (self.orderly_service or self.concurrently_service).start()  # type: ignore[union-attr]
+        self.rebalance_service.rebalance_now()
+        self.rebalance_service.start()
+        self.pull_service.start()
+        self.scheduler.every(s.persist_consumer_offset_interval_ms, self.persist_consumer_offset,
+                             name="persist-offsets")
+        if self.orderly_service is not None and clustering:
+            self.scheduler.every(s.lock_interval_ms, self._lock_all, name="lock-all")
+        if self.run_schedule_service and self.engine is not None:
+            self.schedule_service = self.engine.schedule_service(
+                max_idle_ms=200, name=f"{self.client_id}-schedule"
+            ).start()
+        self._started = True
+        log.info("%s: started (group %s, %s)", self.client_id, self.group, s.message_model)
+        return self
+
+    def _lock_all(self) -> None:
+        if self.orderly_service is not None and self.rebalance is not None:
+            queues = [(pq.mq, pq) for pq in self.rebalance.process_queues()]
+            self.orderly_service.lock_all(queues)
+
+    def process_queues(self) -> list[ProcessQueue]:
+        """The queues this instance consumes now."""
+        return self.rebalance.process_queues() if self.rebalance is not None else []
+
+    def _stop_threads(self) -> None:
+        if self.rebalance_service is not None:
+            self.rebalance_service.stop()
+        if self.pull_service is not None:
+            self.pull_service.stop()
+        if self.schedule_service is not None:
+            self.schedule_service.stop()
+
+    def shutdown(self) -> None:
+        """Stop consuming, persist offsets, release locks, leave the group."""
+        if not self._started:
+            return
+        self._started = False
+        self._stop_threads()
+        service = self.orderly_service or self.concurrently_service
+        if service is not None:
+            service.shutdown(self.settings.await_termination_ms)
+        self.persist_consumer_offset()
+        assert self.rebalance is not None
+        assert self.membership is not None
+        for mq, pq in self.rebalance.drop_all():
+            if self.orderly_service is not None:
+                self.orderly_service.unlock_queue(mq, pq)
+        try:
+            self.membership.leave()
+        except Exception:
+            log.warning("%s: could not leave the group cleanly", self.client_id, exc_info=True)
+        self.scheduler.stop()
+        log.info("%s: shut down", self.client_id)
+
+    def kill(self) -> None:
+        """Stop as a crash would: nothing persisted, no leave, no unlock.
+
+        Threads cannot be killed: a listener already running finishes, but its
+        results are not committed (every queue is marked dropped).
+        """
+        if not self._started:
+            return
+        self._started = False
+        self.scheduler.stop()
+        if self.rebalance_service is not None:
+            self.rebalance_service.stop()
+        if self.rebalance is not None:
+            self.rebalance.drop_all()
+        self._stop_threads()
+        service = self.orderly_service or self.concurrently_service
+        if service is not None:
+            service.shutdown(0)

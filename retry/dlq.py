@@ -1,0 +1,351 @@
+"""The dead-letter table ``%DLQ%<group>`` in Delta (schema: DESIGN §2, partitioned by dead_date).
+
+A message is dead-lettered with an insert-only MERGE on ``(origin_msg_id,
+msg_id)``: a dead-letter write repeated after a crash (the batch is replayed,
+the same message dies again) finds its row and adds nothing. With
+``app_id``/``txn_version`` the replayed commit is skipped before it starts.
+Rows are never deleted by idem: a replay marks them ``REPLAYED``, an operator
+``DISCARDED``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.transaction import CommitProperties, Transaction
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.retry.errors import DeadLetterError
+from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
+from idem.retry.message import (
+    FailureRecord,
+    MessageConst,
+    MessageExt,
+    dlq_topic,
+    failure_history,
+    first_failed_at,
+)
+
+UTC = dt.UTC
+_TS = pa.timestamp("us", tz="UTC")
+ERROR_TYPE = pa.struct([("at", _TS), ("type", pa.string()), ("message", pa.string())])
+
+DLQ_SCHEMA = pa.schema(
+    [
+        ("group", pa.string()),
+        ("topic", pa.string()),
+        ("key", pa.string()),
+        ("msg_id", pa.string()),
+        ("origin_msg_id", pa.string()),
+        ("body", pa.binary()),
+        ("properties", pa.map_(pa.string(), pa.string())),
+        ("reconsume_times", pa.int32()),
+        ("first_failed_at", _TS),
+        ("dead_at", _TS),
+        ("last_error", pa.string()),
+        ("errors", pa.list_(ERROR_TYPE)),
+        ("status", pa.string()),
+        ("replayed_at", _TS),
+        ("dead_date", pa.date32()),
+    ]
+)
+"""The ``%DLQ%<group>`` schema of DESIGN §2 (``dead_date`` is the partition column)."""
+
+DEAD_REASON_PROPERTY = "IDEM_DEAD_REASON"
+"""Why the message was dead-lettered (max reconsume times, level -1, bad input...)."""
+
+
+class DeadLetterStatus(StrEnum):
+    """Life of a dead letter."""
+
+    DEAD = "DEAD"
+    REPLAYED = "REPLAYED"
+    DISCARDED = "DISCARDED"
+
+
+def _ts(ms: int | None) -> dt.datetime | None:
+    return None if ms is None else dt.datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def _ms(value: dt.datetime | None) -> int | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return int(value.timestamp() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One row of ``%DLQ%<group>``."""
+
+    group: str
+    topic: str
+    key: str | None
+    msg_id: str
+    origin_msg_id: str
+    body: bytes
+    properties: Mapping[str, str]
+    reconsume_times: int
+    first_failed_at_ms: int
+    dead_at_ms: int
+    last_error: str | None
+    errors: tuple[FailureRecord, ...] = ()
+    status: DeadLetterStatus = DeadLetterStatus.DEAD
+    replayed_at_ms: int | None = None
+    reason: str = field(default="", compare=False)
+
+    @classmethod
+    def of(cls, group: str, message: MessageExt, *, reason: str, dead_at_ms: int) -> DeadLetter:
+        """The dead letter of ``message`` (its failure history already recorded on it)."""
+        errors = failure_history(message)
+        last = errors[-1] if errors else None
+        props = dict(message.properties)
+        props[DEAD_REASON_PROPERTY] = reason
+        props.setdefault(MessageConst.PROPERTY_ORIGIN_MESSAGE_ID, message.origin_msg_id)
+        props.setdefault(MessageConst.PROPERTY_RETRY_TOPIC, message.retry_topic_origin)
+        return cls(
+            group=group,
+            topic=message.retry_topic_origin,
+            key=message.keys,
+            msg_id=message.msg_id,
+            origin_msg_id=message.origin_msg_id,
+            body=message.body,
+            properties=props,
+            reconsume_times=message.reconsume_times,
+            first_failed_at_ms=first_failed_at(message, dead_at_ms),
+            dead_at_ms=dead_at_ms,
+            last_error=None if last is None else f"{last.type}: {last.message}",
+            errors=errors,
+            reason=reason,
+        )
+
+    def to_message(self) -> MessageExt:
+        """The message to replay: original topic, key, body and properties, origin id kept."""
+        props = {k: v for k, v in self.properties.items() if k != DEAD_REASON_PROPERTY}
+        return MessageExt(
+            topic=self.topic,
+            msg_id=self.msg_id,
+            body=self.body,
+            keys=self.key,
+            reconsume_times=self.reconsume_times,
+            properties=props,
+        )
+
+    def to_row(self) -> dict[str, Any]:
+        """The row as ``DLQ_SCHEMA`` expects it."""
+        dead_at = _ts(self.dead_at_ms)
+        assert dead_at is not None
+        return {
+            "group": self.group,
+            "topic": self.topic,
+            "key": self.key,
+            "msg_id": self.msg_id,
+            "origin_msg_id": self.origin_msg_id,
+            "body": self.body,
+            "properties": list(self.properties.items()),
+            "reconsume_times": self.reconsume_times,
+            "first_failed_at": _ts(self.first_failed_at_ms),
+            "dead_at": dead_at,
+            "last_error": self.last_error,
+            "errors": [
+                {"at": _ts(e.at_ms), "type": e.type, "message": e.message} for e in self.errors
+            ],
+            "status": str(self.status),
+            "replayed_at": _ts(self.replayed_at_ms),
+            "dead_date": dead_at.date(),
+        }
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> DeadLetter:
+        """Inverse of :meth:`to_row`."""
+        props = dict(row["properties"] or [])
+        return cls(
+            group=row["group"],
+            topic=row["topic"],
+            key=row["key"],
+            msg_id=row["msg_id"],
+            origin_msg_id=row["origin_msg_id"],
+            body=row["body"] or b"",
+            properties=props,
+            reconsume_times=int(row["reconsume_times"]),
+            first_failed_at_ms=_ms(row["first_failed_at"]) or 0,
+            dead_at_ms=_ms(row["dead_at"]) or 0,
+            last_error=row["last_error"],
+            errors=tuple(
+                FailureRecord(_ms(e["at"]) or 0, e["type"], e["message"])
+                for e in row["errors"] or []
+            ),
+            status=DeadLetterStatus(row["status"]),
+            replayed_at_ms=_ms(row["replayed_at"]),
+            reason=props.get(DEAD_REASON_PROPERTY, ""),
+        )
+
+
+class DeadLetterTable:
+    """``%DLQ%<group>`` at ``path``: write (idempotent), list, show, mark replayed/discarded."""
+
+    def __init__(
+        self,
+        path: str,
+        group: str,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        storage_options: Mapping[str, str] | None = None,
+        faults: FaultTolerance = DEFAULT_FAULT_TOLERANCE,
+    ) -> None:
+        self.path = path
+        self.group = group
+        self.clock = clock
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.faults = faults
+
+    @property
+    def name(self) -> str:
+        """The table's name, ``%DLQ%<group>``."""
+        return dlq_topic(self.group)
+
+    def _table(self, *, create: bool) -> DeltaTable | None:
+        if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
+            return DeltaTable(self.path, storage_options=self.storage_options)
+        if not create:
+            return None
+        try:
+            return DeltaTable.create(
+                self.path,
+                schema=DLQ_SCHEMA,
+                partition_by=["dead_date"],
+                name=self.name,
+                description=f"dead letters of consumer group {self.group}",
+                storage_options=self.storage_options,
+            )
+        except Exception:  # another writer created it first: use theirs
+            if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
+                return DeltaTable(self.path, storage_options=self.storage_options)
+            raise
+
+    def write(
+        self,
+        letters: Sequence[DeadLetter],
+        *,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+    ) -> int:
+        """Insert the letters not already present; returns how many rows were added."""
+        if not letters:
+            return 0
+        # One row per message even when a batch names it twice.
+        unique = list({(d.origin_msg_id, d.msg_id): d for d in letters}.values())
+        source = pa.Table.from_pylist([d.to_row() for d in unique], schema=DLQ_SCHEMA)
+
+        def merge() -> int:
+            table = self._table(create=True)
+            assert table is not None
+            if app_id is not None and txn_version is not None:
+                done = table.transaction_version(app_id)
+                if done is not None and done >= txn_version:
+                    return 0
+            props = _commit_properties(app_id, txn_version)
+            metrics = (
+                table.merge(
+                    source,
+                    predicate="t.origin_msg_id = s.origin_msg_id AND t.msg_id = s.msg_id",
+                    source_alias="s",
+                    target_alias="t",
+                    commit_properties=props,
+                )
+                .when_not_matched_insert_all()
+                .execute()
+            )
+            return int(metrics.get("num_target_rows_inserted", 0))
+
+        return self.faults.delta(merge, what=f"write to {self.name}", wrap=DeadLetterError)
+
+    def _read(self) -> pa.Table:
+        table = self._table(create=False)
+        if table is None:
+            return DLQ_SCHEMA.empty_table()
+        return self.faults.delta(
+            table.to_pyarrow_table, what=f"read {self.name}", wrap=DeadLetterError
+        )
+
+    def list(
+        self, *, status: DeadLetterStatus | None = None, limit: int | None = None
+    ) -> builtins.list[DeadLetter]:
+        """Dead letters, newest first, optionally of one status."""
+        rows = [DeadLetter.from_row(r) for r in self._read().to_pylist()]
+        if status is not None:
+            rows = [r for r in rows if r.status is DeadLetterStatus(status)]
+        rows.sort(key=lambda r: (r.dead_at_ms, r.origin_msg_id), reverse=True)
+        return rows if limit is None else rows[:limit]
+
+    def show(self, msg_id: str) -> builtins.list[DeadLetter]:
+        """The rows whose ``origin_msg_id`` or ``msg_id`` is ``msg_id``."""
+        return [r for r in self.list() if msg_id in (r.origin_msg_id, r.msg_id)]
+
+    def count(self, status: DeadLetterStatus | None = None) -> int:
+        """How many rows (of one status)."""
+        return len(self.list(status=status))
+
+    def _set_status(
+        self, letters: Iterable[DeadLetter | tuple[str, str]], status: DeadLetterStatus,
+        at_ms: int | None,
+    ) -> int:
+        ids = {(x.origin_msg_id, x.msg_id) if isinstance(x, DeadLetter) else x for x in letters}
+        table = self._table(create=False)
+        if not ids or table is None:
+            return 0
+        when = _ts(self.clock.now_ms() if at_ms is None else at_ms)
+        source = pa.table(
+            {
+                "origin_msg_id": pa.array([i[0] for i in ids], pa.string()),
+                "msg_id": pa.array([i[1] for i in ids], pa.string()),
+                "status": pa.array([str(status)] * len(ids), pa.string()),
+                "replayed_at": pa.array(
+                    [when if status is DeadLetterStatus.REPLAYED else None] * len(ids), _TS
+                ),
+            }
+        )
+
+        def update() -> int:
+            metrics = (
+                table.merge(
+                    source,
+                    predicate=(
+                        "t.origin_msg_id = s.origin_msg_id AND t.msg_id = s.msg_id "
+                        "AND t.status = 'DEAD'"
+                    ),
+                    source_alias="s",
+                    target_alias="t",
+                )
+                .when_matched_update(
+                    updates={"status": "s.status", "replayed_at": "s.replayed_at"}
+                )
+                .execute()
+            )
+            return int(metrics.get("num_target_rows_updated", 0))
+
+        return self.faults.delta(update, what=f"update {self.name}", wrap=DeadLetterError)
+
+    def mark_replayed(
+        self, letters: Iterable[DeadLetter | tuple[str, str]], *, at_ms: int | None = None
+    ) -> int:
+        """Mark ``DEAD`` rows ``REPLAYED`` (with ``replayed_at``); returns rows changed."""
+        return self._set_status(letters, DeadLetterStatus.REPLAYED, at_ms)
+
+    def mark_discarded(self, letters: Iterable[DeadLetter | tuple[str, str]]) -> int:
+        """Mark ``DEAD`` rows ``DISCARDED``; returns rows changed."""
+        return self._set_status(letters, DeadLetterStatus.DISCARDED, None)
+
+
+def _commit_properties(app_id: str | None, txn_version: int | None) -> CommitProperties | None:
+    if app_id is None or txn_version is None:
+        return None
+    return CommitProperties(app_transactions=[Transaction(app_id=app_id, version=txn_version)])

@@ -1,0 +1,393 @@
+"""``RetryEngine``: the resend path of one consumer group behind one object.
+
+``send_back`` follows RocketMQ's order of paths:
+
+1. the broker's send-back: dead letters are written to ``%DLQ%<group>``, every
+   event is appended to the Delta retry journal (one commit, with the caller's
+   ``app_id``/``txn_version``), then applied to Redis — bounded retries each;
+2. when Redis does not answer, the client resends the messages itself straight
+   into the schedule queues (the same msg ids, so nothing is stored twice);
+3. when that fails too, the caller is told to re-submit after 5 s. The journal
+   already holds the messages, so even a caller that never re-submits loses
+   nothing: the next sync (any engine, the schedule service) applies them.
+
+Nothing is reported done on an unknown outcome (a timeout counts as a failure).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import redis
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import IdemConfig
+from idem.errors import LedgerError, StoreUnavailable
+from idem.retry.dlq import DeadLetterTable
+from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
+from idem.retry.journal import JournalEvent, JournalEventType, RetryJournal
+from idem.retry.message import MessageExt
+from idem.retry.policy import RetryPolicy
+from idem.retry.schedule import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_IDLE_MS,
+    DEFAULT_SYNC_INTERVAL_MS,
+    ScheduleService,
+)
+from idem.retry.sendback import DeadLettered, Scheduled, SendBackDecision, SendBackProcessor
+from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
+from idem.retry.topic import RetryTopic
+
+log = logging.getLogger(__name__)
+
+StageObserver = Callable[[str, Sequence[MessageExt]], None]
+"""Called at each stage of a send-back: ``dead_lettered``, ``journaled``, ``applied``,
+``fallback``, ``resubmit``. An exception it raises propagates (a test stops there, as a crash)."""
+
+
+class SendBackStatus(StrEnum):
+    """Where a failed message ended up."""
+
+    SCHEDULED = "SCHEDULED"
+    """Journaled and scheduled in Redis by the broker-side send-back."""
+    DEAD = "DEAD"
+    """In ``%DLQ%<group>`` (and journaled)."""
+    FALLBACK = "FALLBACK"
+    """Journaled; the send-back failed and the client-side resend scheduled it."""
+    RESUBMIT_LATER = "RESUBMIT_LATER"
+    """Every path failed: consume it again locally at ``resubmit_at_ms``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendBackOutcome:
+    """The fate of one failed message."""
+
+    msg_id: str
+    origin_msg_id: str
+    status: SendBackStatus
+    new_msg_id: str | None = None
+    delay_level: int = 0
+    due_ms: int | None = None
+    resubmit_at_ms: int | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SendBackResult:
+    """Per-message outcomes of one :meth:`RetryEngine.send_back`, in input order."""
+
+    outcomes: tuple[SendBackOutcome, ...]
+
+    def _with(self, status: SendBackStatus) -> tuple[SendBackOutcome, ...]:
+        return tuple(o for o in self.outcomes if o.status is status)
+
+    @property
+    def scheduled(self) -> tuple[SendBackOutcome, ...]:
+        """Scheduled by the broker-side path."""
+        return self._with(SendBackStatus.SCHEDULED)
+
+    @property
+    def dead(self) -> tuple[SendBackOutcome, ...]:
+        """Dead-lettered."""
+        return self._with(SendBackStatus.DEAD)
+
+    @property
+    def fallback(self) -> tuple[SendBackOutcome, ...]:
+        """Scheduled by the client-side resend."""
+        return self._with(SendBackStatus.FALLBACK)
+
+    @property
+    def resubmit(self) -> tuple[SendBackOutcome, ...]:
+        """To be consumed again locally (nothing acknowledged)."""
+        return self._with(SendBackStatus.RESUBMIT_LATER)
+
+    @property
+    def acknowledged(self) -> bool:
+        """Whether every message is safely scheduled or dead (the batch may be committed)."""
+        return not self.resubmit
+
+
+@dataclass(frozen=True, slots=True)
+class RetryStats:
+    """One group's resend path at a glance."""
+
+    redis: ScheduleStats
+    journal_version: int | None
+
+
+class RetryEngine:
+    """Send-back, retry topic, schedule and dead letters of ``config.group``."""
+
+    def __init__(
+        self,
+        config: IdemConfig,
+        *,
+        client: redis.Redis | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        policy: RetryPolicy | None = None,
+        faults: FaultTolerance = DEFAULT_FAULT_TOLERANCE,
+        storage_options: Mapping[str, str] | None = None,
+        on_stage: StageObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.group = config.group
+        self.clock = clock
+        self.faults = faults
+        self.on_stage = on_stage
+        self.client = client if client is not None else redis.Redis.from_url(config.redis_url)
+        self.store = ScheduleStore(self.client, self.group)
+        self.topic = RetryTopic(self.store, reclaim_idle_ms=config.consume_timeout_ms)
+        self.journal = RetryJournal(
+            config.resolved_journal_path, self.group, storage_options=storage_options,
+            faults=faults,
+        )
+        self.dlq = DeadLetterTable(
+            config.resolved_dlq_path, self.group, clock=clock, storage_options=storage_options,
+            faults=faults,
+        )
+        self.processor = SendBackProcessor(
+            self.group,
+            policy=policy,
+            levels=config.delay_levels,
+            max_reconsume_times=config.max_reconsume_times,
+            clock=clock,
+        )
+        # the engine's own tick() checks the cursor every time (one GET), see _maybe_sync
+        self._service = ScheduleService(
+            self.store, clock=clock, sync=self._maybe_sync, sync_interval_ms=0
+        )
+        self._last_sync_ms: int | None = None
+
+    def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
+        if self.on_stage is not None and messages:
+            self.on_stage(stage, messages)
+
+    # -- send-back -----------------------------------------------------------------------
+
+    def _event(self, decision: SendBackDecision, now: int) -> JournalEvent:
+        original = decision.original
+        if isinstance(decision, DeadLettered):
+            return JournalEvent(
+                JournalEventType.DEAD, original.msg_id, original.origin_msg_id, original.keys,
+                original.reconsume_times, -1, at_ms=now,
+            )
+        message = decision.message
+        return JournalEvent(
+            JournalEventType.SCHEDULED, message.msg_id, message.origin_msg_id, message.keys,
+            message.reconsume_times, decision.level, decision.queue_id, decision.due_ms,
+            # only a message read from the retry topic can still be live in Redis
+            replaces=original.msg_id if original.reconsume_times > 0 else None,
+            wire=message.to_wire(), at_ms=now,
+        )
+
+    def send_back(
+        self,
+        messages: Sequence[MessageExt],
+        *,
+        delay_level: int = 0,
+        errors: Mapping[str, str | BaseException] | None = None,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+    ) -> SendBackResult:
+        """Send failed messages back: schedule a retry, or dead-letter them.
+
+        ``delay_level``: ``-1`` dead-letters now, ``0`` lets the policy choose
+        (``3 + reconsume_times``), ``> 0`` is the level. ``errors`` maps a msg id to
+        its failure (recorded in the message's history and the DLQ row).
+        ``app_id``/``txn_version`` make a replayed batch a no-op in Delta.
+        """
+        errors = errors or {}
+        now = self.clock.now_ms()
+        decisions = [
+            self.processor.process(m, delay_level=delay_level, error=errors.get(m.msg_id))
+            for m in messages
+        ]
+        dead = [d for d in decisions if isinstance(d, DeadLettered)]
+        scheduled = [d for d in decisions if isinstance(d, Scheduled)]
+        events = [self._event(d, now) for d in decisions]
+        try:
+            if dead:
+                self.dlq.write([d.letter for d in dead], app_id=app_id, txn_version=txn_version)
+                self._stage("dead_lettered", [d.original for d in dead])
+            version = self.journal.append(events, app_id=app_id, txn_version=txn_version)
+            self._stage("journaled", list(messages))
+        except LedgerError:
+            log.warning("send-back of %d message(s): Delta unavailable; re-submit later",
+                        len(messages), exc_info=True)
+            self._stage("resubmit", list(messages))
+            return self._result(decisions, SendBackStatus.RESUBMIT_LATER, now, journaled=False)
+
+        try:
+            self._sync_or_raise(None if version is None else (version, events))
+            status = SendBackStatus.SCHEDULED
+            self._stage("applied", [d.original for d in scheduled])
+        except StoreUnavailable:
+            self._stage("fallback", [d.original for d in scheduled])
+            try:
+                ops = [op for e in events for op in e.ops()]
+                self.faults.redis(
+                    lambda: self.store.apply_direct(ops),
+                    what="client-side resend to the retry topic",
+                    attempts=self.faults.fallback_attempts,
+                )
+                status = SendBackStatus.FALLBACK
+            except StoreUnavailable:
+                log.warning("send-back of %d message(s): Redis unavailable; journaled, "
+                            "re-submit after %d ms", len(scheduled),
+                            self.faults.resubmit_delay_ms)
+                self._stage("resubmit", [d.original for d in scheduled])
+                status = SendBackStatus.RESUBMIT_LATER
+        return self._result(decisions, status, now, journaled=True)
+
+    def _result(
+        self,
+        decisions: Sequence[SendBackDecision],
+        status: SendBackStatus,
+        now: int,
+        *,
+        journaled: bool,
+    ) -> SendBackResult:
+        resubmit_at = now + self.faults.resubmit_delay_ms
+        outcomes: list[SendBackOutcome] = []
+        for d in decisions:
+            original = d.original
+            if isinstance(d, DeadLettered) and journaled:
+                outcomes.append(SendBackOutcome(
+                    original.msg_id, original.origin_msg_id, SendBackStatus.DEAD,
+                    delay_level=-1, reason=d.letter.reason,
+                ))
+            elif isinstance(d, DeadLettered) or status is SendBackStatus.RESUBMIT_LATER:
+                outcomes.append(SendBackOutcome(
+                    original.msg_id, original.origin_msg_id, SendBackStatus.RESUBMIT_LATER,
+                    resubmit_at_ms=resubmit_at,
+                ))
+            else:
+                assert isinstance(d, Scheduled)
+                outcomes.append(SendBackOutcome(
+                    original.msg_id, original.origin_msg_id, status,
+                    new_msg_id=d.message.msg_id, delay_level=d.level, due_ms=d.due_ms,
+                ))
+        return SendBackResult(tuple(outcomes))
+
+    def dead_letter(
+        self,
+        messages: Sequence[MessageExt],
+        *,
+        reason: str | None = None,
+        errors: Mapping[str, str | BaseException] | None = None,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+    ) -> SendBackResult:
+        """Dead-letter ``messages`` now (delay level -1), e.g. bad input naming the field."""
+        if errors is None and reason is not None:
+            errors = {m.msg_id: reason for m in messages}
+        return self.send_back(
+            messages, delay_level=-1, errors=errors, app_id=app_id, txn_version=txn_version
+        )
+
+    # -- journal <-> Redis ---------------------------------------------------------------
+
+    def _sync_or_raise(
+        self, own: tuple[int, Sequence[JournalEvent]] | None = None
+    ) -> ApplyResult:
+        result = self.faults.redis(
+            lambda: self.journal.sync(self.store, own=own),
+            what="apply the retry journal to Redis",
+        )
+        self._last_sync_ms = self.clock.now_ms()
+        return result
+
+    def sync(self) -> ApplyResult:
+        """Bring Redis up to date with the journal (a full rebuild if Redis lost it)."""
+        return self._sync_or_raise()
+
+    def rebuild(self) -> ApplyResult:
+        """Clear the group's Redis side and rebuild it from the journal (``idem retry rebuild``)."""
+        return self.faults.redis(
+            lambda: self.journal.rebuild(self.store), what="rebuild from the retry journal"
+        )
+
+    def _maybe_sync(self) -> None:
+        """Sync when Redis lost the cursor (rebuild at once), else at most once a second."""
+        now = self.clock.now_ms()
+        recent = self._last_sync_ms is not None and now - self._last_sync_ms < 1000
+        if recent and self.faults.redis(self.store.cursor, what="read the cursor") is not None:
+            return
+        try:
+            self._sync_or_raise()
+        except LedgerError:
+            log.warning("retry journal unreadable; serving what Redis has", exc_info=True)
+
+    # -- the retry topic -----------------------------------------------------------------
+
+    def poll_retry(
+        self, consumer: str, count: int, block_ms: int | None = None
+    ) -> list[MessageExt]:
+        """Up to ``count`` retried messages for ``consumer``, original topic restored."""
+        self._maybe_sync()
+        try:
+            return self.topic.read(consumer, count, block_ms)
+        except REDIS_TRANSIENT as exc:
+            raise StoreUnavailable(f"read of {self.topic.name} failed: {exc}") from exc
+
+    def ack(self, messages: Sequence[MessageExt]) -> int:
+        """Acknowledge retried messages (journaled, then removed from Redis); returns count.
+
+        Raises :class:`~idem.retry.errors.JournalError` when the journal cannot be
+        written: the messages stay pending and are delivered again (never lost).
+        """
+        unique = {m.msg_id: m for m in messages}
+        now = self.clock.now_ms()
+        events = [
+            JournalEvent(JournalEventType.ACKED, m.msg_id, m.origin_msg_id, m.keys,
+                         m.reconsume_times, at_ms=now)
+            for m in unique.values()
+        ]
+        version = self.journal.append(events)
+        try:
+            self._sync_or_raise(None if version is None else (version, events))
+        except StoreUnavailable:
+            log.warning("ack of %d message(s) journaled; Redis will catch up", len(events))
+        return len(events)
+
+    def next_due_ms(self) -> int | None:
+        """When the next scheduled message becomes due (``None``: nothing scheduled)."""
+        return self.faults.redis(self.store.next_due_ms, what="read the schedule heads")
+
+    def pending(self) -> int:
+        """Messages scheduled or in the retry topic and not yet acknowledged."""
+        return self.faults.redis(self.store.pending, what="count pending retries")
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    def tick(self) -> int:
+        """Move every due message to the retry topic now; returns how many."""
+        return self.faults.redis(self._service.tick, what="schedule tick")
+
+    def schedule_service(
+        self,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_idle_ms: int = DEFAULT_MAX_IDLE_MS,
+        sync_interval_ms: int = DEFAULT_SYNC_INTERVAL_MS,
+        name: str | None = None,
+    ) -> ScheduleService:
+        """A :class:`ScheduleService` for this group (``start()`` it, or ``run()`` it)."""
+        return ScheduleService(
+            self.store, clock=self.clock, sync=self.sync, batch_size=batch_size,
+            max_idle_ms=max_idle_ms, sync_interval_ms=sync_interval_ms, name=name,
+        )
+
+    def stats(self) -> RetryStats:
+        """Redis counts per queue, retry topic lag, cursor; the journal's version."""
+        return RetryStats(
+            redis=self.faults.redis(self.store.stats, what="read retry stats"),
+            journal_version=self.journal.latest_version(),
+        )
+
+    def close(self) -> None:
+        """Close the Redis connection pool."""
+        self.client.close()

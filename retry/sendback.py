@@ -1,0 +1,151 @@
+"""The send-back processor: the broker's ``CONSUMER_SEND_MSG_BACK`` rules, with no I/O.
+
+For a failed message it decides, through the group's :class:`RetryPolicy`:
+
+- delay level ``< 0``, or ``reconsume_times >= max_reconsume_times`` (16):
+  the message goes to ``%DLQ%<group>``;
+- otherwise a new message is built: a new msg id, ``ORIGIN_MESSAGE_ID`` kept,
+  ``RETRY_TOPIC`` = the original topic, ``RECONSUME_TIME`` / ``reconsume_times``
+  + 1, ``MAX_RECONSUME_TIMES``; it is stored in ``SCHEDULE_TOPIC_XXXX`` queue
+  ``level - 1`` with ``REAL_TOPIC`` = ``%RETRY%<group>`` and ``REAL_QID`` = 0
+  until it is due (level 0 meaning ``3 + reconsume_times``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
+from idem.retry.dlq import DeadLetter
+from idem.retry.message import (
+    SCHEDULE_TOPIC,
+    TIMER_QUEUE,
+    TIMER_TOPIC,
+    FailureRecord,
+    MessageConst,
+    MessageExt,
+    failure_properties,
+    first_failed_at,
+    new_msg_id,
+    retry_topic,
+    with_failure,
+)
+from idem.retry.policy import DeliveryState, RetryPolicy, RocketMQLadder
+
+REAL_QUEUE_ID = 0
+"""``%RETRY%<group>`` has one queue (``retryQueueNums = 1``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """A send-back that will be redelivered: ``message`` waits in ``queue_id`` until ``due_ms``."""
+
+    original: MessageExt
+    message: MessageExt
+    level: int
+    queue_id: str
+    delay_ms: int
+    due_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """A send-back that ends in ``%DLQ%<group>``."""
+
+    original: MessageExt
+    letter: DeadLetter
+
+
+SendBackDecision = Scheduled | DeadLettered
+
+
+class SendBackProcessor:
+    """Broker-side send-back for one consumer group."""
+
+    def __init__(
+        self,
+        group: str,
+        *,
+        policy: RetryPolicy | None = None,
+        levels: DelayLevels | None = None,
+        max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.group = group
+        self.levels = levels or DelayLevels.parse()
+        self.max_reconsume_times = max_reconsume_times
+        self.policy: RetryPolicy = policy or RocketMQLadder(self.levels, max_reconsume_times)
+        self.clock = clock
+        self.retry_topic = retry_topic(group)
+
+    def process(
+        self,
+        message: MessageExt,
+        *,
+        delay_level: int = 0,
+        error: str | BaseException | None = None,
+    ) -> SendBackDecision:
+        """Decide where ``message`` goes after a failed consume."""
+        now = self.clock.now_ms()
+        failure = FailureRecord.of(error, now)
+        state = DeliveryState(
+            key=message.keys,
+            reconsume_times=message.reconsume_times,
+            first_seen_ms=first_failed_at(message, now),
+            now_ms=now,
+            last_error=failure.message,
+            requested_level=delay_level,
+            topic=message.retry_topic_origin,
+        )
+        decision = self.policy(state)
+        if decision.delay is None:
+            letter = DeadLetter.of(
+                self.group, with_failure(message, failure), reason=decision.reason,
+                dead_at_ms=now,
+            )
+            return DeadLettered(original=message, letter=letter)
+
+        delay = decision.delay
+        due = now + delay.delay_ms
+        reconsume_times = message.reconsume_times + 1
+        origin = message.origin_msg_id
+        props = dict(message.properties)
+        props.update(failure_properties(message, failure))
+        props.update({
+            MessageConst.PROPERTY_RETRY_TOPIC: message.retry_topic_origin,
+            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: origin,
+            MessageConst.PROPERTY_RECONSUME_TIME: str(reconsume_times),
+            MessageConst.PROPERTY_MAX_RECONSUME_TIMES: str(self.max_reconsume_times),
+            MessageConst.PROPERTY_REAL_TOPIC: self.retry_topic,
+            MessageConst.PROPERTY_REAL_QUEUE_ID: str(REAL_QUEUE_ID),
+        })
+        if delay.level > 0:
+            topic, queue_id, schedule_qid = SCHEDULE_TOPIC, str(delay.level - 1), delay.level - 1
+            props[MessageConst.PROPERTY_DELAY_TIME_LEVEL] = str(delay.level)
+            props.pop(MessageConst.PROPERTY_TIMER_DELIVER_MS, None)
+        else:
+            topic, queue_id, schedule_qid = TIMER_TOPIC, TIMER_QUEUE, 0
+            props[MessageConst.PROPERTY_TIMER_DELIVER_MS] = str(due)
+            props.pop(MessageConst.PROPERTY_DELAY_TIME_LEVEL, None)
+        scheduled = MessageExt(
+            topic=topic,
+            msg_id=new_msg_id(self.group, origin, reconsume_times),
+            body=message.body,
+            keys=message.keys,
+            tags=message.tags,
+            queue_id=schedule_qid,
+            queue_offset=0,
+            born_timestamp=message.born_timestamp,
+            store_timestamp=now,
+            reconsume_times=reconsume_times,
+            properties=props,
+        )
+        return Scheduled(
+            original=message,
+            message=scheduled,
+            level=delay.level,
+            queue_id=queue_id,
+            delay_ms=delay.delay_ms,
+            due_ms=due,
+        )

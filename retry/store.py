@@ -1,0 +1,306 @@
+"""The Redis side of one group's resend path: schedule queues, ``%RETRY%<group>``, the cursor.
+
+Every key of a group shares the hash tag ``rmq:{<group>}`` so that a move from a
+schedule queue to the retry topic is one atomic script, also on Redis Cluster:
+
+=====================================  ======  ==============================================
+``rmq:{g}:SCHEDULE_TOPIC_XXXX:<qid>``  ZSET    one schedule queue per delay level (qid = level
+                                               - 1) plus ``timer``; arrival:msg_id -> due ms
+``rmq:{g}:schedule:heads``             ZSET    qid -> due ms of the queue's head
+``rmq:{g}:schedule:messages``          HASH    msg_id -> wire of a scheduled message
+``rmq:{g}:schedule:progress``          HASH    per queue: last due moved, count moved (the
+                                               ``delayOffset``); arrival and retry offsets
+``rmq:{g}:%RETRY%<g>``                 STREAM  the retry topic, read by consumer group ``g``
+``rmq:{g}:live``                       HASH    msg_id -> where it is (scheduled / retrying)
+``rmq:{g}:journal:cursor``             STRING  next retry-journal position applied here
+=====================================  ======  ==============================================
+
+Check-then-act lives in ``lua/apply.lua`` and ``lua/move.lua``; this class only
+builds their arguments. Transient failures are left to the caller (see
+:mod:`idem.retry.faults`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib import resources
+from typing import Any, Literal
+
+import redis
+from redis.commands.core import Script
+
+from idem.retry.message import SCHEDULE_TOPIC, retry_topic
+
+APPLY_CHUNK = 1000
+"""Ops per apply.lua call: large enough to amortise the round trip, small enough not to stall
+Redis (a call of 1,000 ops takes about a millisecond)."""
+
+
+def load_script(client: redis.Redis, name: str) -> Script:
+    """Register ``retry/lua/<name>`` on ``client`` (EVALSHA, reloaded when flushed)."""
+    source = (resources.files("idem.retry") / "lua" / name).read_text(encoding="utf-8")
+    return client.register_script(source)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryKeys:
+    """Redis key names of one consumer group (all under the hash tag ``rmq:{<group>}``)."""
+
+    group: str
+
+    @property
+    def prefix(self) -> str:
+        """``rmq:{<group>}``."""
+        return f"rmq:{{{self.group}}}"
+
+    def queue(self, queue_id: str) -> str:
+        """The schedule queue ``queue_id`` (``level - 1``, or ``timer``)."""
+        return f"{self.prefix}:{SCHEDULE_TOPIC}:{queue_id}"
+
+    @property
+    def heads(self) -> str:
+        """Queue id -> due time of the queue's head."""
+        return f"{self.prefix}:schedule:heads"
+
+    @property
+    def payloads(self) -> str:
+        """Msg id -> wire of each scheduled message."""
+        return f"{self.prefix}:schedule:messages"
+
+    @property
+    def progress(self) -> str:
+        """Per-queue progress of the schedule service (RocketMQ's ``delayOffset``)."""
+        return f"{self.prefix}:schedule:progress"
+
+    @property
+    def stream(self) -> str:
+        """The retry topic ``%RETRY%<group>``."""
+        return f"{self.prefix}:{retry_topic(self.group)}"
+
+    @property
+    def live(self) -> str:
+        """Msg id -> state of every message scheduled or in the retry topic."""
+        return f"{self.prefix}:live"
+
+    @property
+    def cursor(self) -> str:
+        """The next retry-journal position this Redis has applied up to."""
+        return f"{self.prefix}:journal:cursor"
+
+    @property
+    def wake_channel(self) -> str:
+        """Pub/sub channel telling schedule services that an earlier message arrived."""
+        return f"{self.prefix}:schedule:wake"
+
+
+class LiveState(StrEnum):
+    """Where a live message is."""
+
+    SCHEDULED = "S"
+    RETRYING = "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One step of apply.lua: schedule a message (``S``) or remove one (``R``)."""
+
+    kind: Literal["S", "R"]
+    msg_id: str
+    origin: str = ""
+    queue_id: str = ""
+    due_ms: int = 0
+    wire: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """What one apply did."""
+
+    scheduled: int = 0
+    removed: int = 0
+    skipped: int = 0
+
+    def __add__(self, other: ApplyResult) -> ApplyResult:
+        return ApplyResult(
+            self.scheduled + other.scheduled,
+            self.removed + other.removed,
+            self.skipped + other.skipped,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MoveResult:
+    """What one move did; ``next_due_ms`` is the earliest head left (``None``: nothing)."""
+
+    moved: int
+    dropped: int
+    next_due_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveEntry:
+    """A live message as Redis knows it."""
+
+    msg_id: str
+    state: LiveState
+    origin_msg_id: str
+    location: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleStats:
+    """A snapshot of one group's Redis side."""
+
+    scheduled_by_queue: dict[str, int] = field(default_factory=dict)
+    retry_topic_length: int = 0
+    undelivered: int = 0
+    delivered_unacked: int = 0
+    live: int = 0
+    next_due_ms: int | None = None
+    cursor: str | None = None
+    progress: dict[str, str] = field(default_factory=dict)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ScheduleStore:
+    """One group's schedule queues, retry topic and journal cursor in Redis."""
+
+    def __init__(self, client: redis.Redis, group: str) -> None:
+        self.client = client
+        self.group = group
+        self.keys = RetryKeys(group)
+        self._apply = load_script(client, "apply.lua")
+        self._move = load_script(client, "move.lua")
+
+    # -- applying journal events ---------------------------------------------------------
+
+    def _apply_args(self, ops: Sequence[Op]) -> tuple[list[str], list[Any]]:
+        keys = [self.keys.cursor, self.keys.live, self.keys.payloads, self.keys.heads,
+                self.keys.stream, self.keys.progress]
+        index: dict[str, int] = {}
+        args: list[Any] = []
+        for op in ops:
+            if op.kind == "S":
+                if op.queue_id not in index:
+                    keys.append(self.keys.queue(op.queue_id))
+                    index[op.queue_id] = len(keys)
+                args += ["S", op.msg_id, op.origin, index[op.queue_id], op.queue_id, op.due_ms,
+                         op.wire]
+            else:
+                args += ["R", op.msg_id, "", "", "", "", ""]
+        return keys, args
+
+    def apply(self, ops: Sequence[Op], *, expect: str | None, new: str) -> ApplyResult | str:
+        """Apply ``ops`` and move the cursor from ``expect`` (``None``: missing) to ``new``.
+
+        Returns the current cursor (a string; ``""`` when missing) instead when it is not
+        ``expect``: someone else applied that slice already, or Redis lost it.
+        """
+        keys, args = self._apply_args(ops)
+        reply = self._apply(
+            keys=keys,
+            args=["cursor", expect or "", new, self.group, self.keys.wake_channel, *args],
+        )
+        if int(reply[0]) == 0:
+            return _text(reply[1])
+        return ApplyResult(int(reply[1]), int(reply[2]), int(reply[3]))
+
+    def apply_direct(self, ops: Sequence[Op]) -> ApplyResult:
+        """Apply ``ops`` without touching the cursor (the client-side resend path)."""
+        total = ApplyResult()
+        for start in range(0, len(ops), APPLY_CHUNK):
+            keys, args = self._apply_args(ops[start : start + APPLY_CHUNK])
+            reply = self._apply(
+                keys=keys, args=["direct", "", "", self.group, self.keys.wake_channel, *args]
+            )
+            total += ApplyResult(int(reply[1]), int(reply[2]), int(reply[3]))
+        return total
+
+    def cursor(self) -> str | None:
+        """The journal position applied so far (``None``: lost or never set)."""
+        value = self.client.get(self.keys.cursor)
+        return None if value is None else _text(value)
+
+    # -- the schedule service's step -----------------------------------------------------
+
+    def move_due(self, now_ms: int, budget: int) -> MoveResult:
+        """Move up to ``budget`` due messages to the retry topic (one script call)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrangebyscore(self.keys.heads, "-inf", now_ms)
+        pipe.zrange(self.keys.heads, 0, 0, withscores=True)
+        due_queues, head = pipe.execute()
+        if not due_queues:
+            return MoveResult(0, 0, int(head[0][1]) if head else None)
+        queue_ids = [_text(q) for q in due_queues]
+        keys = [self.keys.heads, self.keys.live, self.keys.payloads, self.keys.stream,
+                self.keys.progress, *(self.keys.queue(q) for q in queue_ids)]
+        moved, dropped, next_due = self._move(keys=keys, args=[now_ms, budget, *queue_ids])
+        nxt = _text(next_due)
+        return MoveResult(int(moved), int(dropped), int(float(nxt)) if nxt else None)
+
+    def next_due_ms(self) -> int | None:
+        """Due time of the earliest scheduled message (``None`` when none is scheduled)."""
+        head = self.client.zrange(self.keys.heads, 0, 0, withscores=True)
+        return int(head[0][1]) if head else None
+
+    def wake(self) -> None:
+        """Tell every schedule service of the group to look at the queues now."""
+        self.client.publish(self.keys.wake_channel, "wake")
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def pending(self) -> int:
+        """Messages scheduled or in the retry topic and not yet acknowledged."""
+        return int(self.client.hlen(self.keys.live))
+
+    def live_entries(self) -> Iterator[LiveEntry]:
+        """Every live message (HSCAN, so it is safe on a big group)."""
+        for raw_id, raw_state in self.client.hscan_iter(self.keys.live, count=1000):
+            state = _text(raw_state)
+            tag, location, origin = state.split("|", 2)
+            yield LiveEntry(_text(raw_id), LiveState(tag), origin, location)
+
+    def stats(self) -> ScheduleStats:
+        """Counts per queue, retry topic lag, cursor and progress."""
+        heads = [_text(q) for q in self.client.zrange(self.keys.heads, 0, -1)]
+        pipe = self.client.pipeline(transaction=False)
+        for queue_id in heads:
+            pipe.zcard(self.keys.queue(queue_id))
+        pipe.xlen(self.keys.stream)
+        pipe.hlen(self.keys.live)
+        pipe.hgetall(self.keys.progress)
+        replies = pipe.execute()
+        by_queue = {q: int(n) for q, n in zip(heads, replies[: len(heads)], strict=True)}
+        length, live, progress = replies[len(heads) :]
+        undelivered = delivered = 0
+        try:
+            for info in self.client.xinfo_groups(self.keys.stream):
+                if _text(info.get("name", "")) == self.group:
+                    delivered = int(info.get("pending", 0))
+                    undelivered = max(int(length) - delivered, 0)
+        except redis.ResponseError:  # no stream yet
+            pass
+        return ScheduleStats(
+            scheduled_by_queue=by_queue,
+            retry_topic_length=int(length),
+            undelivered=undelivered,
+            delivered_unacked=delivered,
+            live=int(live),
+            next_due_ms=self.next_due_ms(),
+            cursor=self.cursor(),
+            progress={_text(k): _text(v) for k, v in progress.items()},
+        )
+
+    def purge(self) -> int:
+        """Delete every key of the group (before a forced rebuild); returns keys deleted."""
+        queues = [_text(q) for q in self.client.zrange(self.keys.heads, 0, -1)]
+        names = [self.keys.cursor, self.keys.live, self.keys.payloads, self.keys.heads,
+                 self.keys.stream, self.keys.progress, *(self.keys.queue(q) for q in queues)]
+        scanned = {_text(k) for k in self.client.scan_iter(match=f"{self.keys.prefix}:*",
+                                                            count=1000)}
+        return int(self.client.delete(*sorted(set(names) | scanned)))

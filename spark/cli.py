@@ -1,0 +1,317 @@
+"""``idem demo``, ``idem run`` and ``idem dlq {ls,show,replay,discard}``.
+
+Exit codes: 0 done; 1 an idem error (the message says which); 2 bad
+arguments or a missing directory; 3 Redis unreachable; 4 the exactly-once
+check failed (demo, or ``run --check``); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from idem.config import IdemConfig
+from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.retry.dlq import DeadLetterStatus
+from idem.retry.engine import RetryEngine
+from idem.spark.demo import run_demo
+from idem.spark.demo_data import DEMO_DELAY_LEVELS, DEMO_MAX_RECONSUME_TIMES
+from idem.spark.dlq import (
+    Selection,
+    describe,
+    discard,
+    dumps,
+    format_rows,
+    progress_bar,
+    replay,
+)
+from idem.spark.run import Pipeline, RunSpec, check_redis, print_report, report_json
+from idem.spark.session import local_session
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+EXIT_CHECK_FAILED = 4
+
+log = logging.getLogger(__name__)
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"idem: error: {message}", file=sys.stderr)
+    return code
+
+
+def _add_config_options(parser: argparse.ArgumentParser, *, group_required: bool = True) -> None:
+    parser.add_argument("--group", required=group_required, help="consumer group (IDEM_GROUP)")
+    parser.add_argument("--redis-url", help="redis:// URL (IDEM_REDIS_URL)")
+    parser.add_argument("--data-dir", help="where the group's Delta tables live (IDEM_DATA_DIR)")
+    parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
+    parser.add_argument("--journal-path", help="the retry journal's Delta table")
+    parser.add_argument(
+        "--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m 2m ... 2h"'
+    )
+    parser.add_argument(
+        "--max-reconsume-times", type=int, help="retries before the DLQ (default 16)"
+    )
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> IdemConfig:
+    overrides: dict[str, Any] = dict(extra)
+    for attr in (
+        "group",
+        "redis_url",
+        "data_dir",
+        "dlq_path",
+        "journal_path",
+        "delay_levels",
+        "max_reconsume_times",
+    ):
+        value = getattr(args, attr, None)
+        if value is not None:
+            overrides[attr] = value
+    return IdemConfig.from_env(**overrides)
+
+
+# -- idem demo ---------------------------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace) -> int:
+    result = run_demo(
+        args.workdir,
+        delay_levels=args.delay_levels,
+        max_reconsume_times=args.max_reconsume_times,
+        orders=args.orders,
+        files=args.files,
+        crash_after_batch=None if args.no_crash else 2,
+    )
+    return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+
+
+# -- idem run ----------------------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not Path(args.source).is_dir():
+        raise ConfigError(f"--source: directory {args.source} does not exist")
+    if not args.sink_delta and not args.sink_fn:
+        raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
+    config = _config(args)
+    client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
+    spec = RunSpec(
+        source=args.source,
+        key=args.key,
+        sink_delta=args.sink_delta,
+        sink_fn=args.sink_fn,
+        checkpoint=args.checkpoint,
+        available_now=args.available_now,
+        schema=args.schema,
+        max_files_per_trigger=args.max_files_per_trigger,
+        trigger_seconds=args.trigger_seconds,
+        topic=args.topic,
+        timeout_seconds=args.timeout,
+    )
+    pipeline = Pipeline(local_session(f"idem-run-{config.group}"), config, spec, client=client)
+    try:
+        report = pipeline.run()
+    finally:
+        pipeline.close()
+    print_report(report)
+    if args.report_json:
+        Path(args.report_json).write_text(report_json(report), encoding="utf-8")
+    if args.check and report.sink is not None and not report.sink.exactly_once:
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+# -- idem dlq ----------------------------------------------------------------------------------
+
+
+def _engine(args: argparse.Namespace) -> RetryEngine:
+    config = _config(args)
+    return RetryEngine(config, client=check_redis(config.redis_url))
+
+
+def _selection(args: argparse.Namespace) -> Selection:
+    return Selection(
+        keys=tuple(args.key or ()),
+        msg_ids=tuple(args.msg_id or ()),
+        everything=bool(getattr(args, "all", False)),
+        include_replayed=bool(getattr(args, "include_replayed", False)),
+    )
+
+
+def _dlq_ls(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    status = None if args.status == "all" else DeadLetterStatus(args.status.upper())
+    letters = engine.dlq.list(status=status, limit=args.limit)
+    if args.json:
+        if letters:
+            print(dumps(describe(d) for d in letters))
+        return EXIT_OK
+    print(f"%DLQ%{engine.group}: {len(letters)} row(s) shown (status {args.status})")
+    for line in format_rows(letters):
+        print(line)
+    return EXIT_OK
+
+
+def _dlq_show(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    wanted = set(args.key or ()) | set(args.msg_id or ())
+    if not wanted:
+        return _fail(EXIT_USAGE, "dlq show: name --key K or --msg-id ID")
+    letters = [
+        d
+        for d in engine.dlq.list()
+        if d.key in wanted or d.msg_id in wanted or d.origin_msg_id in wanted
+    ]
+    if not letters:
+        return _fail(EXIT_ERROR, f"no dead letter with key/msg id {', '.join(sorted(wanted))}")
+    for d in letters:
+        print(json.dumps(describe(d), indent=2, ensure_ascii=False, default=str))
+    return EXIT_OK
+
+
+def _dlq_replay(args: argparse.Namespace) -> int:
+    selection = _selection(args)
+    if selection.empty:
+        return _fail(EXIT_USAGE, "dlq replay: name --key K, --msg-id ID or --all")
+    engine = _engine(args)
+    result = replay(engine, selection, progress=progress_bar())
+    print(
+        f"replayed {result.sent} dead letter(s) of %DLQ%{engine.group} through the retry path "
+        f"(dedup applies: a key completed meanwhile is not applied again); "
+        f"marked {result.marked} REPLAYED"
+    )
+    if result.skipped_replayed:
+        print(
+            f"{result.skipped_replayed} matching row(s) were replayed before and were left "
+            "alone (--include-replayed sends them again; the dedup layer still applies)"
+        )
+    if result.selected == 0:
+        print("nothing to replay")
+    return EXIT_OK
+
+
+def _dlq_discard(args: argparse.Namespace) -> int:
+    selection = _selection(args)
+    if selection.empty:
+        return _fail(EXIT_USAGE, "dlq discard: name --key K, --msg-id ID or --all")
+    engine = _engine(args)
+    changed = discard(engine, selection)
+    print(f"marked {changed} dead letter(s) of %DLQ%{engine.group} DISCARDED")
+    return EXIT_OK
+
+
+def _guarded(handler: Any) -> Any:
+    """Map the errors a user can fix to the documented exit codes."""
+
+    def run(args: argparse.Namespace) -> int:
+        # py4j logs every callback at INFO; idem's own lines are what the user wants.
+        logging.getLogger("py4j").setLevel(logging.WARNING)
+        try:
+            return int(handler(args))
+        except StoreUnavailable as exc:
+            return _fail(EXIT_REDIS, str(exc))
+        except ConfigError as exc:
+            return _fail(EXIT_USAGE, str(exc))
+        except IdemError as exc:
+            return _fail(EXIT_ERROR, str(exc))
+
+    return run
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``demo``, ``run`` and ``dlq`` to the ``idem`` command."""
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="run the whole pipeline on embedded defaults and print the exactly-once report",
+        description="Starts a private Redis, writes an order stream with redeliveries, "
+        "flaky and poison orders, runs a local Spark streaming query through "
+        "@exactly_once into a Delta table, and checks every order landed exactly once.",
+    )
+    demo.add_argument("--workdir", help="where to put the demo's data (default: a temp dir)")
+    demo.add_argument("--delay-levels", default=DEMO_DELAY_LEVELS, help="short delay levels")
+    demo.add_argument("--max-reconsume-times", type=int, default=DEMO_MAX_RECONSUME_TIMES)
+    demo.add_argument("--orders", type=int, default=600, help="distinct orders (default 600)")
+    demo.add_argument("--files", type=int, default=6, help="files = micro-batches (default 6)")
+    demo.add_argument(
+        "--no-crash",
+        action="store_true",
+        help="do not stage the driver failure after batch 2 (which Spark then replays)",
+    )
+    demo.set_defaults(func=_guarded(_demo))
+
+    run = subparsers.add_parser(
+        "run",
+        help="read JSON-lines files as a stream and write them exactly once",
+        description="Reads JSON-lines files from --source as a Spark stream, unions the "
+        "group's retry stream and writes through @exactly_once to a Delta sink table "
+        "and/or a function of yours. Restartable from its checkpoint.",
+    )
+    run.add_argument("--source", required=True, help="directory of JSON-lines files")
+    run.add_argument("--key", required=True, help="the business key field")
+    _add_config_options(run)
+    run.add_argument("--sink-delta", help="Delta table the rows go to (it is the group's ledger)")
+    run.add_argument(
+        "--sink-fn",
+        help="module:function or file.py:function called as fn(fresh_df, batch_id); "
+        "its rows carry an idempotency_key column; it may return the failed keys",
+    )
+    run.add_argument(
+        "--checkpoint", help="Spark checkpoint dir (default <data-dir>/<group>/checkpoint)"
+    )
+    run.add_argument(
+        "--available-now",
+        action="store_true",
+        help="process everything available (and the retries it causes), then exit",
+    )
+    run.add_argument("--schema", help="DDL of the rows (default: inferred, kept in the checkpoint)")
+    run.add_argument("--max-files-per-trigger", type=int, help="files per micro-batch")
+    run.add_argument("--trigger-seconds", type=float, default=1.0, help="micro-batch interval")
+    run.add_argument("--topic", default="files", help="topic name recorded for these messages")
+    run.add_argument("--timeout", type=float, help="stop after this many seconds (continuous)")
+    run.add_argument("--report-json", help="also write the report as JSON to this file")
+    run.add_argument(
+        "--check", action="store_true", help="exit 4 if the Delta sink holds a key twice"
+    )
+    run.set_defaults(func=_guarded(_run))
+
+    dlq = subparsers.add_parser("dlq", help="the %%DLQ%%<group> table: ls, show, replay, discard")
+    commands = dlq.add_subparsers(dest="dlq_command", metavar="COMMAND", required=True)
+    ls = commands.add_parser("ls", help="list dead letters, newest first")
+    _add_config_options(ls)
+    ls.add_argument(
+        "--status", default="dead", choices=["dead", "replayed", "discarded", "all"]
+    )
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    ls.set_defaults(func=_guarded(_dlq_ls))
+
+    show = commands.add_parser("show", help="one dead letter in full, its row decoded")
+    _add_config_options(show)
+    show.add_argument("--key", action="append", help="business key (repeatable)")
+    show.add_argument("--msg-id", action="append", help="msg id or origin msg id (repeatable)")
+    show.set_defaults(func=_guarded(_dlq_show))
+
+    for name, handler, text in (
+        ("replay", _dlq_replay, "send dead letters back through the dedup layer"),
+        ("discard", _dlq_discard, "mark dead letters DISCARDED"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        _add_config_options(sub)
+        sub.add_argument("--key", action="append", help="business key (repeatable)")
+        sub.add_argument("--msg-id", action="append", help="msg id or origin msg id (repeatable)")
+        sub.add_argument("--all", action="store_true", help="every DEAD row of the group")
+        if name == "replay":
+            sub.add_argument(
+                "--include-replayed",
+                action="store_true",
+                help="also send rows replayed before (the dedup layer still applies)",
+            )
+        sub.set_defaults(func=_guarded(handler))

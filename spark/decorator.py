@@ -1,0 +1,401 @@
+"""``@exactly_once``: a ``foreachBatch`` sink that sees every business key once.
+
+::
+
+    @exactly_once(group="orders", key="order_id", config=config)
+    def write(fresh: DataFrame, batch_id: int) -> list[str] | None:
+        ...  # only rows whose key was never completed; return the keys that failed
+
+    stream.writeStream.foreachBatch(write).start()
+
+Per micro-batch, on the driver (DESIGN §1): the batch comes over as Arrow;
+bad keys go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep
+the first row; the keys are claimed in Redis under an owner token made of the
+query id and the batch id (a Spark replay of the batch re-takes its own
+claims); the function gets the fresh rows as a Spark DataFrame; the rows it
+accepted are committed (ledger, then Redis); the rows it rejected — returned
+keys, a DataFrame of rows, a ``{key: error}`` mapping, or every fresh row when
+it raised — are released and sent back on RocketMQ's delay ladder, and after
+``max_reconsume_times`` they are dead-lettered.
+
+With ``sink_table=PATH`` the Delta table at PATH is the group's ledger and
+the accepted rows are written into it in the same commit as the record that
+their keys are done (DESIGN §1's second row: nothing to crash between).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import redis
+from pyspark.sql import Column
+from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
+from pyspark.sql import types as st
+
+from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import IdemConfig, MismatchPolicy
+from idem.dedup import Dedup
+from idem.errors import ConfigError, PayloadMismatch
+from idem.ledger.schema import LEDGER_SCHEMA
+from idem.retry.engine import RetryEngine
+from idem.retry.status import ConsumeConcurrentlyStatus
+from idem.spark.batch import BatchOutcome, BatchRun
+from idem.spark.faults import CrashPlan, CrashPoint, crash_point
+from idem.spark.messages import DEFAULT_TOPIC, MESSAGE_COLUMN, RETRY_COLUMNS
+from idem.spark.rows import RowCodec
+from idem.spark.stats import StatsStore
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from idem.retry.engine import RetryEngine
+
+log = logging.getLogger(__name__)
+
+SinkResult = Any
+"""What a sink function may return: ``None``, a ``ConsumeConcurrentlyStatus``, failed keys,
+a ``{key: error}`` mapping, or a DataFrame of the failed rows."""
+
+SinkFunction = Callable[..., SinkResult]
+"""``(fresh_df, batch_id) -> SinkResult``, the ``foreachBatch`` shape."""
+
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+"""Spark's local property carrying the streaming query id (stable across restarts)."""
+
+FINGERPRINT_COLUMN = "_idem_fingerprint"
+
+
+class ExactlyOnce:
+    """What ``foreachBatch`` calls; built by :func:`exactly_once` or :func:`delta_sink`."""
+
+    def __init__(
+        self,
+        fn: SinkFunction | None,
+        *,
+        config: IdemConfig,
+        key: str,
+        client: redis.Redis | None = None,
+        sink_table: str | None = None,
+        topic: str = DEFAULT_TOPIC,
+        idempotency_column: str | None = None,
+        fingerprint: bool = True,
+        query_id: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        crash_plan: CrashPlan | None = None,
+    ) -> None:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"key: expected the name of the key column, got {key!r}")
+        if sink_table is not None:
+            config = config.with_changes(ledger_path=sink_table)
+        self.fn = fn
+        self.config = config
+        self.key = key
+        self.sink_table = sink_table
+        self.topic = topic
+        self.idempotency_column = idempotency_column
+        self.fingerprint = fingerprint
+        self.query_id = query_id
+        self.clock = clock
+        self.crash_plan = crash_plan
+        self._client = client
+        self._dedup: Dedup | None = None
+        self._retry: RetryEngine | None = None
+        self._stats: StatsStore | None = None
+        self.last_outcome: BatchOutcome | None = None
+        if fn is not None:
+            functools.update_wrapper(self, fn)
+
+    # -- lazily built collaborators (the driver builds them on the first batch) -------------
+
+    @property
+    def client(self) -> redis.Redis:
+        """The Redis client (built from ``config.redis_url`` unless one was passed)."""
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.config.redis_url)
+        return self._client
+
+    @property
+    def dedup(self) -> Dedup:
+        """The group's dedup protocol object."""
+        if self._dedup is None:
+            self._dedup = Dedup(self.config, client=self.client, clock=self.clock)
+            self._dedup.check()
+        return self._dedup
+
+    @property
+    def retry(self) -> RetryEngine:
+        """The group's retry engine (send-back, schedule, DLQ)."""
+        if self._retry is None:
+            self._retry = RetryEngine(self.config, client=self.client, clock=self.clock)
+        return self._retry
+
+    @property
+    def stats(self) -> StatsStore:
+        """The group's batch counters."""
+        if self._stats is None:
+            self._stats = StatsStore(
+                self.client, self.config.group, marker_ttl_ms=self.config.dedup_window_ms
+            )
+        return self._stats
+
+    # -- foreachBatch ------------------------------------------------------------------------
+
+    def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
+        """Process one micro-batch (Spark calls this on the driver)."""
+        self.process(batch_df, batch_id)
+
+    def process(self, batch_df: DataFrame, batch_id: int) -> BatchOutcome:
+        """Process one micro-batch and return what happened to its rows."""
+        clock = _StepClock()
+        query_id = self._query_id(batch_df)
+        attempt = self.stats.begin(query_id, batch_id)
+        if attempt > 1:
+            log.info("batch %d: attempt %d (Spark replays it after a failure)", batch_id, attempt)
+        crash_point(CrashPoint.BEFORE_CLAIM, batch_id, self.crash_plan)
+        columns = batch_df.columns
+        if self.key not in columns:
+            raise ConfigError(
+                f"key: the batch has no column {self.key!r} (columns: {', '.join(columns)})"
+            )
+        payload_columns = [c for c in columns if c not in RETRY_COLUMNS]
+        codec = RowCodec(batch_df.select(*[f"`{c}`" for c in payload_columns]).schema)
+        if self.fingerprint:
+            batch_df = batch_df.withColumn(
+                FINGERPRINT_COLUMN, fingerprint_column(batch_df, payload_columns)
+            )
+        table = batch_df.toArrow()
+        clock.lap("arrow")
+        run = BatchRun(
+            table=table,
+            batch_id=batch_id,
+            query_id=query_id,
+            key=self.key,
+            payload_columns=payload_columns,
+            codec=codec,
+            topic=self.topic,
+            dedup=self.dedup,
+            retry=self.retry,
+            clock=self.clock,
+            fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
+        )
+        outcome = self._run(run, batch_df, clock, replay=attempt > 1)
+        self.last_outcome = outcome
+        return outcome
+
+    def _query_id(self, batch_df: DataFrame) -> str:
+        if self.query_id is not None:
+            return self.query_id
+        prop = batch_df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+        return str(prop) if prop else "static"
+
+    def _run(
+        self, run: BatchRun, batch_df: DataFrame, clock: _StepClock, *, replay: bool
+    ) -> BatchOutcome:
+        if run.size == 0:
+            return run.outcome(clock.laps)
+        run.claim()
+        if replay:
+            run.count_own_commits()
+        clock.lap("claim")
+        crash_point(CrashPoint.AFTER_CLAIM, run.batch_id, self.crash_plan)
+        self._check_mismatches(run)
+        failed = self._call_sink(run, batch_df) if run.fresh else {}
+        clock.lap("sink")
+        crash_point(CrashPoint.AFTER_SINK, run.batch_id, self.crash_plan)
+        run.commit(failed, payload=self._sink_payload(run, failed) if self.sink_table else None)
+        clock.lap("commit")
+        crash_point(CrashPoint.AFTER_COMMIT, run.batch_id, self.crash_plan)
+        run.send_back(failed)
+        crash_point(CrashPoint.AFTER_SEND_BACK, run.batch_id, self.crash_plan)
+        run.ack_retried()
+        clock.lap("send_back")
+        outcome = run.outcome(clock.laps)
+        self.stats.record(outcome.stats())
+        crash_point(CrashPoint.AFTER_BATCH, run.batch_id, self.crash_plan)
+        _log_outcome(outcome)
+        return outcome
+
+    def _check_mismatches(self, run: BatchRun) -> None:
+        if run.claim_result is None or not run.claim_result.mismatched:
+            return
+        if self.config.mismatch_policy is MismatchPolicy.RAISE:
+            index = run.claim_result.mismatched[0]
+            key = run.claim_result.keys[index] or ""
+            run.release_all()
+            raise PayloadMismatch(key, stored="(ledger)", seen=run.fingerprint_of(index))
+
+    # -- the sink ------------------------------------------------------------------------------
+
+    def _call_sink(self, run: BatchRun, batch_df: DataFrame) -> dict[int, str]:
+        """Call the user's function with the fresh rows; return ``{row index: error}``."""
+        if self.fn is None:
+            return {}
+        fresh = run.fresh_table(
+            keep=[c for c in RETRY_COLUMNS if c != MESSAGE_COLUMN],
+            idempotency_column=self.idempotency_column,
+            group=self.config.group,
+        )
+        spark = batch_df.sparkSession
+        fresh_df = spark.createDataFrame(fresh)
+        try:
+            result = _call(self.fn, fresh_df, run.batch_id)
+        except Exception as exc:  # the user's failure: every fresh row is reconsumed later
+            log.warning(
+                "sink %s raised %s: %d fresh row(s) will be reconsumed later",
+                getattr(self.fn, "__name__", self.fn),
+                type(exc).__name__,
+                len(run.fresh),
+                exc_info=True,
+            )
+            error = f"{type(exc).__name__}: {exc}"
+            return dict.fromkeys(run.fresh, error)
+        return run.failures_from(_failed_keys(result, self.key))
+
+    def _sink_payload(self, run: BatchRun, failed: Mapping[int, str]) -> pa.Table:
+        """The user's columns of the accepted rows, to be written into the sink table."""
+        taken = [c for c in run.payload_columns if c != "key" or self.key != "key"]
+        clash = sorted(set(taken) & set(LEDGER_SCHEMA.names))
+        if clash:
+            raise ConfigError(
+                f"sink_table: column(s) {', '.join(clash)} of the rows clash with the ledger "
+                f"columns of the sink table ({', '.join(LEDGER_SCHEMA.names)}); rename them "
+                "before the sink"
+            )
+        succeeded = [i for i in run.fresh if i not in failed]
+        return run.table.select(taken).take(pa.array(succeeded, pa.int64()))
+
+
+class _StepClock:
+    """Seconds per step of a batch, for logs and benchmarks."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
+        self._last = now
+
+
+def fingerprint_column(df: DataFrame, columns: Iterable[str]) -> Column:
+    """A payload fingerprint per row, computed by Spark: xxhash64 of the values and null flags.
+
+    Spark's hash skips nulls, so the null flags keep ``(null, 1)`` and ``(1, null)``
+    apart; map columns (which Spark cannot hash) are hashed as their JSON.
+    """
+    kinds = {f.name: f.dataType for f in df.schema.fields}
+    values = [
+        F.to_json(F.col(f"`{c}`")) if _has_map(kinds[c]) else F.col(f"`{c}`") for c in columns
+    ]
+    flags = [F.col(f"`{c}`").isNull() for c in columns]
+    return F.hex(F.xxhash64(*values, *flags))
+
+
+def _has_map(kind: st.DataType) -> bool:
+    if isinstance(kind, st.MapType):
+        return True
+    if isinstance(kind, st.ArrayType):
+        return _has_map(kind.elementType)
+    if isinstance(kind, st.StructType):
+        return any(_has_map(f.dataType) for f in kind.fields)
+    return False
+
+
+def _call(fn: SinkFunction, df: DataFrame, batch_id: int) -> SinkResult:
+    try:
+        arity = len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        arity = 2
+    return fn(df) if arity == 1 else fn(df, batch_id)
+
+
+def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
+    """Normalise what the sink returned to ``{key: error}`` (``None``: all succeeded)."""
+    if result is None or result is ConsumeConcurrentlyStatus.CONSUME_SUCCESS:
+        return None
+    if result is ConsumeConcurrentlyStatus.RECONSUME_LATER:
+        return {ConsumeConcurrentlyStatus.RECONSUME_LATER: "RECONSUME_LATER"}
+    if isinstance(result, Mapping):
+        return {k: str(v) for k, v in result.items()}
+    if hasattr(result, "toArrow") and hasattr(result, "columns"):
+        if key not in result.columns:
+            raise ConfigError(
+                f"sink result: the returned DataFrame of failed rows has no key column {key!r}"
+            )
+        values = result.select(f"`{key}`").toArrow().column(0).to_pylist()
+        return dict.fromkeys(values, "rejected by the sink")
+    if isinstance(result, str | bytes) or not isinstance(result, Iterable):
+        raise ConfigError(
+            "sink result: return None, a ConsumeConcurrentlyStatus, the failed keys, a "
+            f"{{key: error}} mapping or a DataFrame of failed rows; got {type(result).__name__}"
+        )
+    return dict.fromkeys(result, "rejected by the sink")
+
+
+def _log_outcome(outcome: BatchOutcome) -> None:
+    log.info(
+        "batch %d: %d rows, %d applied, %d duplicate, %d failed, %d dead, %d busy",
+        outcome.batch_id,
+        outcome.messages,
+        outcome.applied,
+        sum(outcome.duplicates.values()),
+        outcome.failed,
+        outcome.dead,
+        outcome.busy,
+    )
+    log.debug(
+        "batch %d timings: %s",
+        outcome.batch_id,
+        ", ".join(f"{step} {seconds:.3f}s" for step, seconds in outcome.timings.items()),
+    )
+
+
+def exactly_once(
+    *,
+    group: str | None = None,
+    key: str,
+    config: IdemConfig | None = None,
+    client: redis.Redis | None = None,
+    sink_table: str | None = None,
+    topic: str = DEFAULT_TOPIC,
+    idempotency_column: str | None = None,
+    fingerprint: bool = True,
+    clock: Clock = SYSTEM_CLOCK,
+) -> Callable[[SinkFunction], ExactlyOnce]:
+    """Decorate a ``foreachBatch`` function so it sees every business key once.
+
+    ``group`` or ``config`` (or ``IDEM_*`` variables) name the consumer group.
+    ``idempotency_column`` adds a column ``<group>:<key>`` to the rows the
+    function gets — the same value whenever a row could reach it twice.
+    """
+    resolved = _resolve_config(group, config)
+
+    def wrap(fn: SinkFunction) -> ExactlyOnce:
+        return ExactlyOnce(
+            fn,
+            config=resolved,
+            key=key,
+            client=client,
+            sink_table=sink_table,
+            topic=topic,
+            idempotency_column=idempotency_column,
+            fingerprint=fingerprint,
+            clock=clock,
+        )
+
+    return wrap
+
+
+def _resolve_config(group: str | None, config: IdemConfig | None) -> IdemConfig:
+    if config is None:
+        return IdemConfig.from_env(group=group) if group else IdemConfig.from_env()
+    if group is not None and group != config.group:
+        return config.with_changes(group=group)
+    return config

@@ -1,0 +1,226 @@
+"""Dead-letter tooling: list, show, replay and discard rows of ``%DLQ%<group>``.
+
+A replay sends the dead message back through the group's retry path (a new
+delivery at delay level 1, ``reconsume_times`` reset, ``ORIGIN_MESSAGE_ID``
+kept), so it reaches the sink through the dedup layer like any delivery: a
+message whose key was completed meanwhile is suppressed, never applied twice.
+The DLQ row is then marked ``REPLAYED`` with the time; who replayed it travels
+in the message (``IDEM_REPLAYED_BY``).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from idem.ledger.schema import datetime_of_ms
+from idem.retry.dlq import DeadLetter, DeadLetterStatus
+from idem.retry.engine import RetryEngine
+from idem.retry.message import MessageExt
+from idem.spark.messages import SCHEMA_PROPERTY
+from idem.spark.rows import RowCodec
+
+REPLAYED_BY_PROPERTY = "IDEM_REPLAYED_BY"
+"""Message property: ``user@host`` that replayed the dead letter."""
+
+REPLAYED_AT_PROPERTY = "IDEM_REPLAYED_AT"
+"""Message property: when (epoch ms) the dead letter was replayed."""
+
+REPLAY_LEVEL = 1
+"""Replayed messages wait the first delay level before the job sees them."""
+
+REPLAY_CHUNK = 500
+"""Dead letters sent back per step of a long replay (one journal commit each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which dead letters a command acts on."""
+
+    keys: tuple[str, ...] = ()
+    msg_ids: tuple[str, ...] = ()
+    everything: bool = False
+    include_replayed: bool = False
+
+    def matches(self, letter: DeadLetter) -> bool:
+        """Whether ``letter`` is selected."""
+        if letter.status is DeadLetterStatus.DISCARDED:
+            return False
+        if letter.status is DeadLetterStatus.REPLAYED and not self.include_replayed:
+            return False
+        if self.everything:
+            return True
+        return (letter.key in self.keys) or bool(
+            {letter.msg_id, letter.origin_msg_id} & set(self.msg_ids)
+        )
+
+    @property
+    def empty(self) -> bool:
+        """Nothing named and not ``everything``."""
+        return not (self.keys or self.msg_ids or self.everything)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """What a replay did."""
+
+    selected: int
+    sent: int
+    dead_again: int
+    marked: int
+    skipped_replayed: int
+
+
+def who() -> str:
+    """``user@host`` of this process."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def select(engine: RetryEngine, selection: Selection) -> tuple[list[DeadLetter], int]:
+    """The selected dead letters (oldest first) and how many replayed ones were left out."""
+    letters = engine.dlq.list()
+    chosen = [d for d in letters if selection.matches(d)]
+    left_out = 0
+    if not selection.include_replayed:
+        named = Selection(
+            keys=selection.keys,
+            msg_ids=selection.msg_ids,
+            everything=selection.everything,
+            include_replayed=True,
+        )
+        left_out = sum(
+            1 for d in letters if d.status is DeadLetterStatus.REPLAYED and named.matches(d)
+        )
+    chosen.sort(key=lambda d: (d.dead_at_ms, d.origin_msg_id))
+    return chosen, left_out
+
+
+def replay_message(letter: DeadLetter, *, by: str, at_ms: int) -> MessageExt:
+    """The message a replay sends: the dead one, ``reconsume_times`` reset, who/when stamped."""
+    message = letter.to_message().evolve(reconsume_times=0)
+    return message.with_properties(
+        **{REPLAYED_BY_PROPERTY: by, REPLAYED_AT_PROPERTY: str(at_ms)}
+    )
+
+
+def replay(
+    engine: RetryEngine,
+    selection: Selection,
+    *,
+    by: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Send the selected dead letters back through the retry path and mark them ``REPLAYED``."""
+    letters, left_out = select(engine, selection)
+    by = by or who()
+    sent = dead = marked = 0
+    total = len(letters)
+    for start in range(0, total, REPLAY_CHUNK):
+        chunk = letters[start : start + REPLAY_CHUNK]
+        now = engine.clock.now_ms()
+        messages = [replay_message(d, by=by, at_ms=now) for d in chunk]
+        result = engine.send_back(
+            messages,
+            delay_level=REPLAY_LEVEL,
+            errors={m.msg_id: f"replayed from the DLQ by {by}" for m in messages},
+        )
+        sent += len(result.scheduled) + len(result.fallback)
+        dead += len(result.dead)
+        if not result.acknowledged:
+            raise RuntimeError(
+                f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
+            )
+        marked += engine.dlq.mark_replayed(chunk, at_ms=now)
+        if progress is not None:
+            progress(min(start + len(chunk), total), total)
+    return ReplayResult(
+        selected=total, sent=sent, dead_again=dead, marked=marked, skipped_replayed=left_out
+    )
+
+
+def discard(engine: RetryEngine, selection: Selection) -> int:
+    """Mark the selected dead letters ``DISCARDED``; returns how many changed."""
+    letters, _ = select(engine, selection)
+    return engine.dlq.mark_discarded(letters)
+
+
+def decoded_body(letter: DeadLetter) -> dict[str, Any] | None:
+    """The row in the body, decoded with the schema it carries (``None`` if it has none)."""
+    schema = letter.properties.get(SCHEMA_PROPERTY)
+    if not schema:
+        return None
+    try:
+        return RowCodec.from_schema_json(schema).decode_dict(letter.body)
+    except Exception:  # a foreign or damaged body: show the raw bytes instead
+        return None
+
+
+def format_rows(letters: Sequence[DeadLetter]) -> list[str]:
+    """``idem dlq ls`` lines."""
+    out = [
+        f"{'dead at (UTC)':<20} {'status':<9} {'times':>5}  {'key':<24} "
+        f"{'origin msg id':<32}  last error"
+    ]
+    for d in letters:
+        at = datetime_of_ms(d.dead_at_ms).strftime("%Y-%m-%d %H:%M:%S")
+        key = (d.key or "∅")[:24]
+        error = (d.last_error or d.reason or "")[:80]
+        out.append(
+            f"{at:<20} {d.status.value:<9} {d.reconsume_times:>5}  {key:<24} "
+            f"{d.origin_msg_id:<32}  {error}"
+        )
+    return out
+
+
+def describe(letter: DeadLetter) -> dict[str, Any]:
+    """``idem dlq show``: everything about one dead letter, body decoded when possible."""
+    body = decoded_body(letter)
+    return {
+        "group": letter.group,
+        "topic": letter.topic,
+        "key": letter.key,
+        "msg_id": letter.msg_id,
+        "origin_msg_id": letter.origin_msg_id,
+        "status": letter.status.value,
+        "reason": letter.reason,
+        "reconsume_times": letter.reconsume_times,
+        "first_failed_at_ms": letter.first_failed_at_ms,
+        "dead_at_ms": letter.dead_at_ms,
+        "replayed_at_ms": letter.replayed_at_ms,
+        "last_error": letter.last_error,
+        "errors": [{"at_ms": e.at_ms, "type": e.type, "message": e.message} for e in letter.errors],
+        "row": body if body is not None else None,
+        "body": None if body is not None else letter.body.decode("utf-8", "replace"),
+        "properties": {k: v for k, v in letter.properties.items() if k != SCHEMA_PROPERTY},
+    }
+
+
+def progress_bar(
+    stream: TextIO = sys.stderr, *, width: int = 30, min_total: int = 100
+) -> Callable[[int, int], None]:
+    """A text progress bar for replays of at least ``min_total`` letters."""
+
+    def show(done: int, total: int) -> None:
+        if total < min_total:
+            return
+        filled = width * done // max(total, 1)
+        stream.write(f"\rreplaying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def dumps(items: Iterable[dict[str, Any]]) -> str:
+    """JSON lines."""
+    return "\n".join(json.dumps(i, ensure_ascii=False, default=str) for i in items)

@@ -1,0 +1,73 @@
+"""Crash points inside a micro-batch, for the driver-crash tests (C10).
+
+``IDEM_SPARK_KILL_AT="after_sink@3,after_commit@5"`` makes the driver kill
+itself with SIGKILL when batch 3 reaches the point after the sink ran, or batch
+5 the point after the commit; ``after_sink`` without ``@`` fires on the first
+batch that gets there. Nothing happens unless the variable is set; the
+restarted job runs without it. A SIGKILL leaves no chance to clean up, which
+is the point: it is the crash of DESIGN §1's table, at a chosen moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from enum import StrEnum
+
+KILL_AT_ENV = "IDEM_SPARK_KILL_AT"
+
+
+class CrashPoint(StrEnum):
+    """The moments of a batch at which a driver crash leaves a different state behind."""
+
+    BEFORE_CLAIM = "before_claim"
+    AFTER_CLAIM = "after_claim"
+    AFTER_SINK = "after_sink"
+    AFTER_COMMIT = "after_commit"
+    AFTER_SEND_BACK = "after_send_back"
+    AFTER_BATCH = "after_batch"
+    """After everything of the batch, before Spark writes its commit log entry."""
+
+
+def _wanted() -> list[tuple[str, int | None]]:
+    spec = os.environ.get(KILL_AT_ENV, "").strip()
+    out: list[tuple[str, int | None]] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        point, _, batch = part.partition("@")
+        out.append((point, int(batch) if batch else None))
+    return out
+
+
+class SimulatedCrash(RuntimeError):
+    """A driver failure staged by a :class:`CrashPlan` (the query stops; a restart replays)."""
+
+
+@dataclass
+class CrashPlan:
+    """Fail the batch ``batch_id`` once at ``point``, in-process (the demo shows a replay)."""
+
+    point: CrashPoint
+    batch_id: int
+    fired: bool = False
+
+    def check(self, point: CrashPoint, batch_id: int) -> None:
+        """Raise :class:`SimulatedCrash` the first time ``point`` is reached in ``batch_id``."""
+        if not self.fired and point is self.point and batch_id == self.batch_id:
+            self.fired = True
+            raise SimulatedCrash(f"simulated driver crash at {point.value} of batch {batch_id}")
+
+
+def crash_point(point: CrashPoint, batch_id: int, plan: CrashPlan | None = None) -> None:
+    """SIGKILL this process if ``IDEM_SPARK_KILL_AT`` asks for ``point`` at ``batch_id``.
+
+    ``plan`` stages an in-process failure instead (see :class:`CrashPlan`).
+    """
+    if plan is not None:
+        plan.check(point, batch_id)
+    for wanted, batch in _wanted():
+        if wanted == point.value and (batch is None or batch == batch_id):
+            print(f"idem: crash point {point.value} at batch {batch_id}: SIGKILL", file=sys.stderr)
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,83 @@
+"""Rows of a Spark batch as RocketMQ messages, and back.
+
+A row that fails leaves the batch as a :class:`~idem.retry.message.MessageExt`
+whose body is the row's JSON (:mod:`idem.spark.rows`) and whose ``KEYS`` is its
+business key; the row's Spark schema rides along in the ``IDEM_SCHEMA``
+property so a DLQ replay can decode it without the job. A row that comes back
+through the retry stream carries its message in the ``_idem_message`` column
+(the message's JSON envelope), so a second failure resends the *same* message
+(same ``ORIGIN_MESSAGE_ID``, ``reconsume_times`` + 1), as RocketMQ does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+from idem.retry.message import MessageConst, MessageExt
+
+RECONSUME_TIMES_COLUMN: Final = "reconsume_times"
+"""Column the retry stream adds: how often the row was consumed before (RocketMQ's name)."""
+
+MESSAGE_COLUMN: Final = "_idem_message"
+"""Column the retry stream adds: the retried message's JSON envelope (null for main rows)."""
+
+RETRY_COLUMNS: Final = (RECONSUME_TIMES_COLUMN, MESSAGE_COLUMN)
+"""Columns that are retry bookkeeping, not the user's data."""
+
+SCHEMA_PROPERTY: Final = "IDEM_SCHEMA"
+"""Message property holding the Spark schema (JSON) of the row in the body."""
+
+KEY_FIELD_PROPERTY: Final = "IDEM_KEY_FIELD"
+"""Message property naming the column the business key came from."""
+
+DEFAULT_TOPIC: Final = "spark"
+"""Topic of messages made from main-stream rows when the job names none."""
+
+
+def msg_id_prefix(owner: str) -> str:
+    """24 hex digits naming the batch ``owner``; a row's msg id adds its index (8 hex)."""
+    return hashlib.blake2b(owner.encode(), digest_size=12).hexdigest().upper()
+
+
+def row_msg_id(owner: str, index: int, prefix: str | None = None) -> str:
+    """A stable 32-hex msg id for row ``index`` of the batch ``owner`` (same on a Spark replay)."""
+    return f"{prefix or msg_id_prefix(owner)}{index:08X}"
+
+
+def message_for_row(
+    *,
+    topic: str,
+    owner: str,
+    index: int,
+    key: str | None,
+    body: bytes,
+    schema_json: str,
+    key_field: str,
+    born_ms: int,
+    previous: MessageExt | None = None,
+) -> MessageExt:
+    """The message to send back for row ``index`` of a batch.
+
+    ``previous`` is the message the row arrived as (a retried row): it is kept
+    as it is, so its history and ``ORIGIN_MESSAGE_ID`` survive. A main-stream
+    row becomes a new message with a stable id.
+    """
+    if previous is not None:
+        return previous
+    return MessageExt(
+        topic=topic,
+        msg_id=row_msg_id(owner, index),
+        body=body,
+        keys=key,
+        queue_id=0,
+        queue_offset=index,
+        born_timestamp=born_ms,
+        store_timestamp=born_ms,
+        reconsume_times=0,
+        properties={
+            SCHEMA_PROPERTY: schema_json,
+            KEY_FIELD_PROPERTY: key_field,
+            MessageConst.PROPERTY_KEYS: key or "",
+        },
+    )

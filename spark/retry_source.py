@@ -1,0 +1,273 @@
+"""``%RETRY%<group>`` as a Spark streaming source (a PySpark Python data source).
+
+::
+
+    retries = retry_stream(spark, config=config, schema=orders.schema)
+    stream = orders.unionByName(retries, allowMissingColumns=True)
+    stream.writeStream.foreachBatch(sink).start()
+
+Rows come back with the columns they had when they failed (decoded from the
+JSON of the row with its schema), plus ``reconsume_times`` and
+``_idem_message`` (the message's envelope, so a second failure resends the
+same message). Union the retry stream right before ``foreachBatch``: its rows
+are the rows the sink saw.
+
+Offsets are Redis stream ids of the retry topic. Each trigger the source
+first runs the schedule service's step (due messages move from their delay
+level to the topic), so retries start batches even when the main source is
+idle. A batch reads the id range ``(start, end]`` (``XRANGE``): a replay after
+a crash reads the same messages, and messages are acknowledged (journaled,
+then removed) only when Spark commits the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Final
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+from pyspark.sql.types import IntegerType, StringType, StructField, StructType
+
+from idem.config import IdemConfig
+from idem.errors import ConfigError, SerializationError
+from idem.retry.engine import RetryEngine
+from idem.retry.message import MessageExt
+from idem.retry.topic import RetryTopic
+from idem.spark.messages import MESSAGE_COLUMN, RECONSUME_TIMES_COLUMN
+from idem.spark.rows import RowCodec
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+FORMAT: Final = "idem_retry"
+"""The source's short name (``spark.readStream.format("idem_retry")``)."""
+
+_START: Final = "0-0"
+
+
+def config_to_options(config: IdemConfig) -> dict[str, str]:
+    """The config as data source options (strings only; never pickled)."""
+    out: dict[str, str] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is not None:
+            out[f"idem.{f.name}"] = str(value)
+    return out
+
+
+def config_from_options(options: Mapping[str, str]) -> IdemConfig:
+    """Inverse of :func:`config_to_options`."""
+    ints = {f.name for f in fields(IdemConfig) if f.type in ("int", int)}
+    values: dict[str, Any] = {}
+    for name, raw in options.items():
+        if not name.lower().startswith("idem."):
+            continue
+        setting = name[len("idem.") :]
+        # Spark lower-cases option names; map them back to the dataclass fields.
+        match = next(
+            (f.name for f in fields(IdemConfig) if f.name.lower() == setting.lower()), None
+        )
+        if match is None:
+            continue
+        values[match] = int(raw) if match in ints else raw
+    if "group" not in values:
+        raise ConfigError("retry stream: option idem.group is missing")
+    return IdemConfig(**values)
+
+
+def _retry_schema(schema: StructType) -> StructType:
+    clash = {RECONSUME_TIMES_COLUMN, MESSAGE_COLUMN} & set(schema.fieldNames())
+    if clash:
+        raise ConfigError(
+            f"retry stream: the schema already has column(s) {', '.join(sorted(clash))}; "
+            "pass the schema of the rows as the sink sees them, without the retry columns"
+        )
+    return StructType(
+        [
+            *schema.fields,
+            StructField(RECONSUME_TIMES_COLUMN, IntegerType(), True),
+            StructField(MESSAGE_COLUMN, StringType(), True),
+        ]
+    )
+
+
+class RetryDataSource(DataSource):
+    """The ``idem_retry`` data source: options ``idem.*`` (the config) and ``schema`` (JSON)."""
+
+    @classmethod
+    def name(cls) -> str:
+        """``idem_retry``."""
+        return FORMAT
+
+    def schema(self) -> StructType:
+        """The rows' schema plus ``reconsume_times`` and ``_idem_message``."""
+        raw = self.options.get("schema")
+        if not raw:
+            raise ConfigError(
+                "retry stream: option 'schema' (the rows' Spark schema JSON) is missing"
+            )
+        return _retry_schema(RowCodec.from_schema_json(raw).schema)
+
+    def streamReader(  # noqa: N802 - Spark's name
+        self, schema: StructType
+    ) -> DataSourceStreamReader:
+        """The reader over the group's retry topic."""
+        return RetryStreamReader(dict(self.options))
+
+
+class _RangePartition(InputPartition):
+    """Stream ids ``(after, until]`` of the retry topic."""
+
+    def __init__(self, after: str, until: str) -> None:
+        super().__init__((after, until))
+        self.after = after
+        self.until = until
+
+
+def _stream_id(text: str) -> tuple[int, int]:
+    millis, _, seq = text.partition("-")
+    return int(millis), int(seq or 0)
+
+
+class RetryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans batches by stream id and reads them with ``XRANGE``."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+        self.config = config_from_options(self.options)
+        self._engine: RetryEngine | None = None
+        self._target: str | None = None
+
+    @property
+    def engine(self) -> RetryEngine:
+        """The group's retry engine (one per planner process)."""
+        if self._engine is None:
+            self._engine = _engine(self.config)
+        return self._engine
+
+    def initialOffset(self) -> dict[str, str]:  # noqa: N802 - Spark's name
+        """A new query starts at the beginning of the topic (unacknowledged messages)."""
+        return {"id": _START}
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 - Spark's name
+        """``Trigger.AvailableNow``: stop at the messages that are in the topic (or due) now."""
+        self._target = self._latest(_START, None)
+
+    def latestOffset(  # noqa: N802 - Spark's name
+        self, start: dict[str, str] | None = None, limit: Any = None
+    ) -> dict[str, str]:
+        """Move due messages into the topic, then report the newest id (capped by a target)."""
+        after = (start or {}).get("id", _START)
+        latest = self._latest(after, limit)
+        if self._target is not None and _stream_id(latest) > _stream_id(self._target):
+            latest = self._target if _stream_id(self._target) > _stream_id(after) else after
+        return {"id": latest}
+
+    def _latest(self, after: str, limit: Any) -> str:
+        try:
+            self.engine.tick()
+        except Exception:  # a transient failure must not stop the query; next trigger retries
+            log.warning("retry stream: schedule step failed", exc_info=True)
+        max_rows = getattr(limit, "max_rows", None)
+        client = self.engine.store.client
+        key = self.engine.store.keys.stream
+        if max_rows:
+            entries = client.xrange(key, min=f"({after}", max="+", count=int(max_rows))
+        else:
+            entries = client.xrevrange(key, max="+", min=f"({after}", count=1)
+        if not entries:
+            return after
+        last = entries[-1][0] if max_rows else entries[0][0]
+        return last.decode() if isinstance(last, bytes) else str(last)
+
+    def partitions(self, start: dict[str, str], end: dict[str, str]) -> list[InputPartition]:
+        """One partition per batch: the retry topic is one queue (``retryQueueNums = 1``)."""
+        if start.get("id") == end.get("id"):
+            return []
+        return [_RangePartition(start.get("id", _START), end["id"])]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        """The rows of the messages in the partition's id range."""
+        assert isinstance(partition, _RangePartition)
+        codec = RowCodec.from_schema_json(self.options["schema"])
+        for message in _messages_between(self.config, partition.after, partition.until):
+            yield _row(codec, message)
+
+    def commit(self, end: dict[str, str]) -> None:
+        """Spark committed up to ``end``: acknowledge those messages (journal, then Redis)."""
+        until = end.get("id", _START)
+        if until == _START:
+            return
+        messages = _messages_between(self.config, _START, until, engine=self.engine)
+        if messages:
+            self.engine.ack(messages)
+
+    def stop(self) -> None:
+        """Close the engine's connections."""
+        if self._engine is not None:
+            close = getattr(self._engine, "close", None)
+            if callable(close):
+                close()
+
+
+def _engine(config: IdemConfig) -> RetryEngine:
+    return RetryEngine(config)
+
+
+def _messages_between(
+    config: IdemConfig, after: str, until: str, *, engine: RetryEngine | None = None
+) -> list[MessageExt]:
+    """Messages of the retry topic with ids in ``(after, until]``, as a consumer sees them."""
+    own = engine is None
+    engine = engine or _engine(config)
+    try:
+        topic = RetryTopic(engine.store, reclaim_idle_ms=config.consume_timeout_ms)
+        entries = engine.store.client.xrange(
+            engine.store.keys.stream, min=after if after == _START else f"({after}", max=until
+        )
+        return topic._entries_to_messages(entries)
+    finally:
+        if own:
+            close = getattr(engine, "close", None)
+            if callable(close):
+                close()
+
+
+def _row(codec: RowCodec, message: MessageExt) -> tuple[Any, ...]:
+    try:
+        values = codec.decode(message.body)
+    except SerializationError as exc:
+        # The decorator sees a row without a key and dead-letters it with the message kept.
+        log.warning("retry stream: message %s does not decode: %s", message.msg_id, exc)
+        values = (None,) * len(codec.names)
+    return (*values, message.reconsume_times, message.to_wire())
+
+
+def retry_stream(
+    spark: SparkSession,
+    *,
+    schema: StructType,
+    config: IdemConfig | None = None,
+    group: str | None = None,
+) -> DataFrame:
+    """The group's retry topic as a streaming DataFrame of the failed rows (see module doc)."""
+    if config is None:
+        config = IdemConfig.from_env(group=group) if group else IdemConfig.from_env()
+    elif group is not None and group != config.group:
+        config = config.with_changes(group=group)
+    spark.dataSource.register(RetryDataSource)
+    options = {**config_to_options(config), "schema": schema.json()}
+    return spark.readStream.format(FORMAT).options(**options).load()
+
+
+def with_retries(
+    df: DataFrame, *, config: IdemConfig | None = None, group: str | None = None
+) -> DataFrame:
+    """``df`` unioned with its group's retry stream (same columns, plus the retry columns)."""
+    retries = retry_stream(df.sparkSession, schema=df.schema, config=config, group=group)
+    return df.unionByName(retries, allowMissingColumns=True)

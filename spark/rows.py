@@ -1,0 +1,303 @@
+"""Rows as JSON with their Spark schema: how a row travels through retries and the DLQ.
+
+A failed row leaves Spark as the JSON of its values (a JSON object in schema
+order) and comes back, through the retry stream or a DLQ replay, as the same
+typed values. The schema travels with it as Spark's own schema JSON, so a
+replay months later still knows what the bytes mean. Never pickle.
+
+Encodings of the types JSON lacks: decimals as strings (exact), dates and
+timestamps as ISO-8601 (timestamps in UTC with microseconds), binary as
+base64, maps as ``[[key, value], ...]`` (keys need not be strings), floats
+that are not finite as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import types as st
+
+from idem.errors import SerializationError
+
+_UTC = dt.UTC
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+Encoder = Callable[[Any, str], Any]
+Decoder = Callable[[Any, str], Any]
+
+
+def schema_from_json(text: str) -> st.StructType:
+    """A Spark schema from its JSON form (``StructType.json()``)."""
+    try:
+        parsed = st.StructType.fromJson(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SerializationError(f"schema: not a Spark schema JSON ({exc})") from exc
+    return parsed
+
+
+def schema_from_ddl(text: str) -> st.StructType:
+    """A Spark schema from a DDL string like ``"order_id string, amount double"``."""
+    parsed = st._parse_datatype_string(text)
+    if not isinstance(parsed, st.StructType):
+        raise SerializationError(f"schema: {text!r} is not a struct (column list)")
+    return parsed
+
+
+class RowCodec:
+    """Encode rows of one Spark schema to JSON bytes and decode them back to typed values."""
+
+    def __init__(self, schema: st.StructType) -> None:
+        if not isinstance(schema, st.StructType):
+            raise SerializationError(f"schema: expected a StructType, got {type(schema).__name__}")
+        self.schema = schema
+        self.names: tuple[str, ...] = tuple(schema.fieldNames())
+        self._encoders = [_encoder(f.dataType, f.name) for f in schema.fields]
+        self._decoders = [_decoder(f.dataType, f.name) for f in schema.fields]
+        self.schema_json = schema.json()
+
+    @classmethod
+    def from_schema_json(cls, text: str) -> RowCodec:
+        """A codec for the schema in Spark's JSON form."""
+        return cls(schema_from_json(text))
+
+    def encode(self, row: Mapping[str, Any]) -> bytes:
+        """The row (a mapping of column name to Python value) as compact JSON bytes."""
+        out: dict[str, Any] = {}
+        for name, enc in zip(self.names, self._encoders, strict=True):
+            value = row.get(name)
+            out[name] = None if value is None else enc(value, name)
+        try:
+            return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:  # pragma: no cover - encoders cover the types
+            raise SerializationError(f"row: cannot encode as JSON ({exc})") from exc
+
+    def encode_table(self, table: pa.Table, indices: Iterable[int] | None = None) -> list[bytes]:
+        """Encode rows of an Arrow table (e.g. ``DataFrame.toArrow()``), optionally a subset."""
+        wanted = [n for n in self.names if n in table.column_names]
+        if indices is not None:
+            table = table.select(wanted).take(pa.array(list(indices), pa.int64()))
+        else:
+            table = table.select(wanted)
+        return [self.encode(row) for row in table.to_pylist()]
+
+    def decode(self, body: bytes | str) -> tuple[Any, ...]:
+        """The typed values of one encoded row, in schema order (missing columns are null)."""
+        try:
+            obj = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SerializationError(f"body: not JSON ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise SerializationError(f"body: expected a JSON object, got {type(obj).__name__}")
+        return tuple(
+            None if (value := obj.get(name)) is None else dec(value, name)
+            for name, dec in zip(self.names, self._decoders, strict=True)
+        )
+
+    def decode_dict(self, body: bytes | str) -> dict[str, Any]:
+        """One encoded row as ``{column: value}``."""
+        return dict(zip(self.names, self.decode(body), strict=True))
+
+
+# -- per-type encoders / decoders ----------------------------------------------------------
+
+
+def _unsupported(kind: st.DataType, name: str) -> SerializationError:
+    return SerializationError(
+        f"column {name!r}: type {kind.simpleString()} cannot travel through the retry path "
+        "(supported: strings, numbers, booleans, decimals, dates, timestamps, binary, "
+        "arrays, maps, structs)"
+    )
+
+
+def _encoder(kind: st.DataType, name: str) -> Encoder:  # noqa: PLR0911 - one branch per type
+    if isinstance(kind, st.StringType | st.BooleanType | st.IntegralType | st.NullType):
+        return _identity
+    if isinstance(kind, st.FloatType | st.DoubleType):
+        return _encode_float
+    if isinstance(kind, st.DecimalType):
+        return _encode_decimal
+    if isinstance(kind, st.TimestampNTZType):
+        return _encode_timestamp_ntz
+    if isinstance(kind, st.TimestampType):
+        return _encode_timestamp
+    if isinstance(kind, st.DateType):
+        return _encode_date
+    if isinstance(kind, st.BinaryType):
+        return _encode_binary
+    if isinstance(kind, st.ArrayType):
+        item = _encoder(kind.elementType, f"{name}[]")
+        return lambda v, n: [None if x is None else item(x, n) for x in v]
+    if isinstance(kind, st.MapType):
+        k_enc = _encoder(kind.keyType, f"{name}.key")
+        v_enc = _encoder(kind.valueType, f"{name}.value")
+        return lambda v, n: [
+            [k_enc(k, n), None if x is None else v_enc(x, n)] for k, x in _map_items(v)
+        ]
+    if isinstance(kind, st.StructType):
+        nested = RowCodec(kind)
+        return lambda v, n: json.loads(nested.encode(v if isinstance(v, Mapping) else v.asDict()))
+    raise _unsupported(kind, name)
+
+
+def _decoder(kind: st.DataType, name: str) -> Decoder:  # noqa: PLR0911, PLR0912 - one branch per type
+    if isinstance(kind, st.StringType):
+        return _decode_str
+    if isinstance(kind, st.BooleanType):
+        return _decode_bool
+    if isinstance(kind, st.IntegralType):
+        return _decode_int
+    if isinstance(kind, st.NullType):
+        return lambda v, n: None
+    if isinstance(kind, st.FloatType | st.DoubleType):
+        return _decode_float
+    if isinstance(kind, st.DecimalType):
+        return _decode_decimal
+    if isinstance(kind, st.TimestampNTZType):
+        return lambda v, n: _parse_iso(v, n).replace(tzinfo=None)
+    if isinstance(kind, st.TimestampType):
+        return _decode_timestamp
+    if isinstance(kind, st.DateType):
+        return _decode_date
+    if isinstance(kind, st.BinaryType):
+        return _decode_binary
+    if isinstance(kind, st.ArrayType):
+        item = _decoder(kind.elementType, f"{name}[]")
+        return lambda v, n: [None if x is None else item(x, n) for x in _as_list(v, n)]
+    if isinstance(kind, st.MapType):
+        k_dec = _decoder(kind.keyType, f"{name}.key")
+        v_dec = _decoder(kind.valueType, f"{name}.value")
+        return lambda v, n: {
+            k_dec(k, n): None if x is None else v_dec(x, n) for k, x in _as_pairs(v, n)
+        }
+    if isinstance(kind, st.StructType):
+        nested = RowCodec(kind)
+        return lambda v, n: st.Row(**nested.decode_dict(json.dumps(v)))
+    raise _unsupported(kind, name)
+
+
+def _identity(value: Any, name: str) -> Any:
+    return value
+
+
+def _encode_float(value: Any, name: str) -> Any:
+    number = float(value)
+    if math.isnan(number):
+        return "NaN"
+    if math.isinf(number):
+        return "Infinity" if number > 0 else "-Infinity"
+    return number
+
+
+def _encode_decimal(value: Any, name: str) -> str:
+    return f"{value}"
+
+
+def _encode_timestamp(value: Any, name: str) -> str:
+    if not isinstance(value, dt.datetime):
+        raise SerializationError(f"column {name!r}: expected a datetime, got {value!r}")
+    # Spark hands naive datetimes in the session's zone; idem's sessions use UTC.
+    moment: dt.datetime = value if value.tzinfo is not None else value.replace(tzinfo=_UTC)
+    return moment.astimezone(_UTC).isoformat(timespec="microseconds")
+
+
+def _encode_timestamp_ntz(value: Any, name: str) -> str:
+    if not isinstance(value, dt.datetime):
+        raise SerializationError(f"column {name!r}: expected a datetime, got {value!r}")
+    return value.replace(tzinfo=None).isoformat(timespec="microseconds")
+
+
+def _encode_date(value: Any, name: str) -> str:
+    if not isinstance(value, dt.date):
+        raise SerializationError(f"column {name!r}: expected a date, got {value!r}")
+    return value.isoformat()
+
+
+def _encode_binary(value: Any, name: str) -> str:
+    return base64.b64encode(bytes(value)).decode("ascii")
+
+
+def _map_items(value: Any) -> Iterable[tuple[Any, Any]]:
+    if isinstance(value, Mapping):
+        return value.items()
+    return [(k, v) for k, v in value]  # Arrow gives maps as lists of (key, value)
+
+
+def _decode_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise SerializationError(f"column {name!r}: expected text, got {value!r}")
+    return f"{value}"
+
+
+def _decode_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SerializationError(f"column {name!r}: expected true/false, got {value!r}")
+    return value
+
+
+def _decode_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SerializationError(f"column {name!r}: expected a whole number, got {value!r}")
+    return value
+
+
+def _decode_float(value: Any, name: str) -> float:
+    if isinstance(value, str) and value in _NON_FINITE:
+        return _NON_FINITE[value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SerializationError(f"column {name!r}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _decode_decimal(value: Any, name: str) -> Decimal:
+    try:
+        return Decimal(str(value))
+    except InvalidOperation:
+        raise SerializationError(f"column {name!r}: {value!r} is not a decimal") from None
+
+
+def _parse_iso(value: Any, name: str) -> dt.datetime:
+    try:
+        return dt.datetime.fromisoformat(str(value))
+    except ValueError:
+        raise SerializationError(f"column {name!r}: {value!r} is not an ISO timestamp") from None
+
+
+def _decode_timestamp(value: Any, name: str) -> dt.datetime:
+    parsed = _parse_iso(value, name)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=_UTC)
+
+
+def _decode_date(value: Any, name: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(str(value))
+    except ValueError:
+        raise SerializationError(f"column {name!r}: {value!r} is not an ISO date") from None
+
+
+def _decode_binary(value: Any, name: str) -> bytes:
+    try:
+        return base64.b64decode(str(value), validate=True)
+    except ValueError:
+        raise SerializationError(f"column {name!r}: {value!r} is not base64") from None
+
+
+def _as_list(value: Any, name: str) -> Sequence[Any]:
+    if not isinstance(value, list):
+        raise SerializationError(f"column {name!r}: expected a JSON array, got {value!r}")
+    return value
+
+
+def _as_pairs(value: Any, name: str) -> Iterable[tuple[Any, Any]]:
+    if isinstance(value, dict):  # tolerate the plain-object form for string keys
+        return value.items()
+    pairs = _as_list(value, name)
+    if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        raise SerializationError(f"column {name!r}: expected [[key, value], ...], got {value!r}")
+    return [(p[0], p[1]) for p in pairs]

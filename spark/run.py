@@ -1,0 +1,397 @@
+"""The ready pipeline behind ``idem run`` (and ``idem demo``).
+
+JSON-lines files in a directory are read as a Spark stream, unioned with the
+group's retry stream, and written through :class:`ExactlyOnce` to a Delta
+sink table (its own ledger) and/or a user function. The query is restartable
+from its checkpoint (the same query id, so a replayed batch re-takes its own
+claims). ``available_now`` processes what is there — including retries, which
+it waits for while any is scheduled — and returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+import redis
+from deltalake import DeltaTable
+from pyspark.errors import StreamingQueryException
+from pyspark.sql.types import StructType
+
+from idem.config import IdemConfig
+from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.retry.dlq import DeadLetterStatus
+from idem.retry.engine import RetryEngine
+from idem.spark.decorator import ExactlyOnce, SinkFunction
+from idem.spark.faults import CrashPlan
+from idem.spark.retry_source import with_retries
+from idem.spark.rows import schema_from_ddl, schema_from_json
+from idem.spark.stats import StatsStore, Totals
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+log = logging.getLogger(__name__)
+
+SCHEMA_FILE = "idem-schema.json"
+"""Where the checkpoint keeps the schema of the source files (so restarts agree)."""
+
+
+class QueryFailed(IdemError):
+    """The streaming query stopped with an error."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``idem run`` was asked to do."""
+
+    source: str
+    key: str
+    sink_delta: str | None = None
+    sink_fn: str | None = None
+    checkpoint: str | None = None
+    available_now: bool = False
+    schema: str | None = None
+    """DDL of the source rows; inferred from the files (and kept in the checkpoint) if absent."""
+    max_files_per_trigger: int | None = None
+    trigger_seconds: float = 1.0
+    topic: str = "files"
+    idempotency_column: str = "idempotency_key"
+    timeout_seconds: float | None = None
+    """Stop after this long (continuous mode; ``None``: until interrupted)."""
+
+    def checkpoint_dir(self, config: IdemConfig) -> str:
+        """The checkpoint directory (default ``<data_dir>/<group>/checkpoint``)."""
+        return self.checkpoint or str(Path(config.group_dir) / "checkpoint")
+
+
+@dataclass(frozen=True)
+class SinkCheck:
+    """What the sink table holds: rows, distinct keys, keys present more than once."""
+
+    rows: int
+    distinct_keys: int
+    repeated_keys: tuple[str, ...]
+
+    @property
+    def exactly_once(self) -> bool:
+        """Every key in the table once."""
+        return not self.repeated_keys and self.rows == self.distinct_keys
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """The group's counters after the run, its DLQ and (for a Delta sink) the table check."""
+
+    group: str
+    totals: Totals
+    dead_letters: int
+    pending_retries: int
+    sink: SinkCheck | None
+    runs: int = 1
+
+    def lines(self) -> list[str]:
+        """The report as text lines."""
+        t = self.totals
+        dups = ", ".join(f"{cause} {n}" for cause, n in sorted(t.duplicates.items())) or "none"
+        levels = ", ".join(f"level {lvl}: {n}" for lvl, n in t.retried_by_level.items()) or "none"
+        out = [
+            f"group {self.group}",
+            f"  batches:               {t.batches} (replayed after a crash: {t.replayed_batches})",
+            f"  messages:              {t.messages} (from the retry topic: {t.retried_rows})",
+            f"  applied to the sink:   {t.applied}",
+            f"  duplicates suppressed: {t.duplicates_total} ({dups})",
+            f"  sink failures:         {t.failed} (busy keys sent back: {t.busy})",
+            f"  retries by level:      {t.retried_total} ({levels})",
+            f"  dead letters:          {self.dead_letters} in %DLQ%{self.group} "
+            f"(bad keys {t.invalid}, out of retries or rejected {max(0, t.dead - t.invalid)})",
+            f"  retries still pending: {self.pending_retries}",
+            f"  possible repeats:      {t.possible_repeats} (claims re-taken by a replayed batch; "
+            "a non-transactional sink saw them again with the same idempotency key)",
+        ]
+        if self.sink is not None:
+            verdict = "PASS" if self.sink.exactly_once else "FAIL"
+            out.append(
+                f"  sink table:            {self.sink.rows} rows, {self.sink.distinct_keys} "
+                f"distinct keys -> exactly-once check {verdict}"
+            )
+            if self.sink.repeated_keys:
+                out.append(f"    keys more than once: {', '.join(self.sink.repeated_keys[:10])}")
+        return out
+
+
+def load_sink_fn(spec: str) -> SinkFunction:
+    """``module:function`` or ``path/to/file.py:function`` -> the function."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"--sink-fn: {spec!r} must look like module:function or file.py:function")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ConfigError(f"--sink-fn: file {target} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ConfigError(f"--sink-fn: cannot load {target}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ImportError as exc:
+        raise ConfigError(f"--sink-fn: cannot import {target!r}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"--sink-fn: {target!r} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def check_redis(url: str, timeout: float = 3.0) -> redis.Redis:
+    """A client to ``url`` after a PING, or :class:`StoreUnavailable` saying why not."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=30)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+    return client
+
+
+def source_schema(spark: SparkSession, spec: RunSpec, checkpoint: str) -> StructType:
+    """The source rows' schema: ``--schema``, else the one kept in the checkpoint, else inferred."""
+    kept = Path(checkpoint) / SCHEMA_FILE
+    if spec.schema:
+        schema = schema_from_ddl(spec.schema)
+    elif kept.is_file():
+        return schema_from_json(kept.read_text(encoding="utf-8"))
+    else:
+        files = [p for p in Path(spec.source).iterdir() if not p.name.startswith((".", "_"))]
+        if not any(p.is_file() for p in files):
+            raise ConfigError(
+                f"--source: {spec.source} holds no files to infer the schema from; pass --schema"
+            )
+        schema = spark.read.json(spec.source).schema
+        corrupt = "_corrupt_record"
+        if corrupt in schema.fieldNames():
+            schema = StructType([f for f in schema.fields if f.name != corrupt])
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(schema.json(), encoding="utf-8")
+    return schema
+
+
+def sink_check(path: str) -> SinkCheck | None:
+    """Count rows and distinct keys of a Delta sink table (``None`` if it does not exist)."""
+    if not DeltaTable.is_deltatable(path):
+        return None
+    keys = DeltaTable(path).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
+    counts: dict[str, int] = {}
+    for k in keys:
+        counts[k] = counts.get(k, 0) + 1
+    repeated = tuple(sorted(k for k, n in counts.items() if n > 1))
+    return SinkCheck(rows=len(keys), distinct_keys=len(counts), repeated_keys=repeated)
+
+
+class Pipeline:
+    """One group's file stream through :class:`ExactlyOnce`; start, run to the end, report."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        config: IdemConfig,
+        spec: RunSpec,
+        *,
+        sink_fn: SinkFunction | None = None,
+        client: redis.Redis | None = None,
+        crash_plan: CrashPlan | None = None,
+    ) -> None:
+        if not spec.sink_delta and not spec.sink_fn and sink_fn is None:
+            raise ConfigError(
+                "a sink is required: --sink-delta PATH and/or --sink-fn module:function"
+            )
+        if not Path(spec.source).is_dir():
+            raise ConfigError(f"--source: directory {spec.source} does not exist")
+        self.spark = spark
+        self.config = config
+        self.spec = spec
+        self.client = client or check_redis(config.redis_url)
+        self.checkpoint = spec.checkpoint_dir(config)
+        fn = sink_fn or (load_sink_fn(spec.sink_fn) if spec.sink_fn else None)
+        self.sink = ExactlyOnce(
+            fn,
+            config=config,
+            key=spec.key,
+            client=self.client,
+            sink_table=spec.sink_delta,
+            topic=spec.topic,
+            idempotency_column=spec.idempotency_column if fn is not None else None,
+            crash_plan=crash_plan,
+        )
+        self.engine = RetryEngine(self.sink.config, client=self.client)
+        self.stats = StatsStore(self.client, config.group, marker_ttl_ms=config.dedup_window_ms)
+
+    def _query(self, available_now: bool) -> StreamingQuery:
+        schema = source_schema(self.spark, self.spec, self.checkpoint)
+        reader = self.spark.readStream.schema(schema)
+        if self.spec.max_files_per_trigger:
+            reader = reader.option("maxFilesPerTrigger", self.spec.max_files_per_trigger)
+        main = reader.json(self.spec.source)
+        if self.spec.key not in main.columns:
+            raise ConfigError(
+                f"--key: the source rows have no field {self.spec.key!r} "
+                f"(fields: {', '.join(main.columns)})"
+            )
+        stream = with_retries(main, config=self.sink.config)
+        writer = (
+            stream.writeStream.foreachBatch(self.sink)
+            .option("checkpointLocation", self.checkpoint)
+            .queryName(f"idem_{self.config.group}".replace("-", "_").replace(".", "_"))
+        )
+        if available_now:
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=f"{self.spec.trigger_seconds} seconds")
+        return writer.start()
+
+    def run(self, *, on_started: Callable[[StreamingQuery], None] | None = None) -> RunReport:
+        """Run as asked (``available_now`` or until interrupted / timed out); then report."""
+        runs = 0
+        if self.spec.available_now:
+            runs = self._run_available_now(on_started)
+        else:
+            runs = 1
+            query = self._query(available_now=False)
+            if on_started is not None:
+                on_started(query)
+            try:
+                _await(query, self.spec.timeout_seconds)
+            except KeyboardInterrupt:
+                log.info("interrupted; stopping the query")
+            finally:
+                if query.isActive:
+                    query.stop()
+            _raise_if_failed(query)
+        return self.report(runs=runs)
+
+    def _run_available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> int:
+        """Process everything available, then wait for due retries and go again until none."""
+        ladder_max_ms = max(self.config.delay_levels.delays_ms)
+        runs = 0
+        stalled = 0
+        while True:
+            before = self.engine.pending()
+            query = self._query(available_now=True)
+            runs += 1
+            if on_started is not None:
+                on_started(query)
+            _await(query)
+            pending = self.engine.pending()
+            if pending == 0:
+                return runs
+            due = self.engine.next_due_ms()
+            if due is None:
+                # Messages already in the retry topic: run again at once (bounded).
+                stalled = stalled + 1 if pending >= before else 0
+                if stalled >= 3:
+                    log.warning("%d retry message(s) are not being consumed; stopping", pending)
+                    return runs
+                continue
+            stalled = 0
+            wait_ms = due - self.engine.clock.now_ms()
+            if wait_ms > ladder_max_ms:
+                log.info("next retry is due in %.0f s; stopping (run again later)", wait_ms / 1000)
+                return runs
+            if wait_ms > 0:
+                log.info("%d retry message(s) pending; next due in %.1f s", pending, wait_ms / 1000)
+                time.sleep(wait_ms / 1000)
+
+    def report(self, *, runs: int = 1) -> RunReport:
+        """The group's report now."""
+        dlq = self.engine.dlq
+        return RunReport(
+            group=self.config.group,
+            totals=self.stats.totals(),
+            dead_letters=dlq.count(DeadLetterStatus.DEAD),
+            pending_retries=self.engine.pending(),
+            sink=sink_check(self.spec.sink_delta) if self.spec.sink_delta else None,
+            runs=runs,
+        )
+
+    def close(self) -> None:
+        """Close connections."""
+        self.client.close()
+
+
+_CAUSE = re.compile(r"^(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: |^\w*(?:Error|Exception)\w*: ")
+
+
+def root_cause(text: str) -> str:
+    """The innermost ``module.Error: message`` line of a Spark/py4j error text."""
+    lines = [line for line in text.splitlines() if line and not line[0].isspace()]
+    for line in reversed(lines):
+        if _CAUSE.match(line) and "SQLSTATE" not in line:
+            return line
+    return lines[0] if lines else text
+
+
+def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
+    """Wait for the query; its failure becomes :class:`QueryFailed` naming the root cause."""
+    try:
+        if timeout_seconds is None:
+            query.awaitTermination()
+        else:
+            query.awaitTermination(int(timeout_seconds))
+    except StreamingQueryException as exc:
+        log.debug("the streaming query failed", exc_info=True)
+        raise QueryFailed(f"the streaming query failed: {root_cause(str(exc))}") from None
+    _raise_if_failed(query)
+
+
+def _raise_if_failed(query: StreamingQuery) -> None:
+    error = query.exception()
+    if error is not None:
+        raise QueryFailed(f"the streaming query failed: {root_cause(str(error))}")
+
+
+def report_json(report: RunReport) -> str:
+    """The report as one JSON object (for scripts and tests)."""
+    t = report.totals
+    return json.dumps(
+        {
+            "group": report.group,
+            "batches": t.batches,
+            "replayed_batches": t.replayed_batches,
+            "messages": t.messages,
+            "applied": t.applied,
+            "duplicates": dict(t.duplicates),
+            "failed": t.failed,
+            "retried_by_level": {str(k): v for k, v in t.retried_by_level.items()},
+            "dead_letters": report.dead_letters,
+            "pending_retries": report.pending_retries,
+            "possible_repeats": t.possible_repeats,
+            "sink": None
+            if report.sink is None
+            else {
+                "rows": report.sink.rows,
+                "distinct_keys": report.sink.distinct_keys,
+                "repeated_keys": list(report.sink.repeated_keys),
+                "exactly_once": report.sink.exactly_once,
+            },
+        },
+        sort_keys=True,
+    )
+
+
+def print_report(report: RunReport, *, stream: TextIO | None = None) -> None:
+    """Print the report lines."""
+    out = stream or sys.stdout
+    for line in report.lines():
+        print(line, file=out)

@@ -1,0 +1,196 @@
+"""Counters of a group's Spark batches, kept in Redis so every run and restart adds up.
+
+Each micro-batch records what happened to its rows once, even when Spark
+replays it after a crash (``lua/record_batch.lua``); what only a replay can
+show — claims re-taken by the same owner, i.e. rows a non-transactional sink
+may have seen twice — is counted on every attempt. ``idem run`` and ``idem
+demo`` print their reports from these totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+
+import redis
+
+from idem.errors import StoreUnavailable
+
+_LUA = resources.files("idem.spark").joinpath("lua")
+_RECORD = _LUA.joinpath("record_batch.lua").read_text("utf-8")
+_BEGIN = _LUA.joinpath("begin_batch.lua").read_text("utf-8")
+_DUPLICATE = "duplicates."
+_LEVEL = "retried.level."
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """What one micro-batch did with its rows."""
+
+    query_id: str
+    batch_id: int
+    messages: int = 0
+    """Rows in the batch (main stream and retries)."""
+    retried_rows: int = 0
+    """Rows that came back from the retry stream (``reconsume_times`` > 0)."""
+    applied: int = 0
+    """Rows the sink accepted and that were committed."""
+    failed: int = 0
+    """Rows the sink rejected (sent back, or dead-lettered when out of retries)."""
+    busy: int = 0
+    invalid: int = 0
+    mismatched: int = 0
+    duplicates: Mapping[str, int] = field(default_factory=dict)
+    """Rows not handed to the sink, by cause (``in_batch``, ``completed``, ``slipped``)."""
+    retried_by_level: Mapping[int, int] = field(default_factory=dict)
+    """Rows sent back, by the delay level they were scheduled on."""
+    dead: int = 0
+    """Rows routed to ``%DLQ%<group>`` by this batch."""
+    retaken: int = 0
+    """Claims this batch's owner held already: a replay; the sink may see these rows again."""
+
+    def once_counters(self) -> dict[str, int]:
+        """Counters that belong to the batch (added once however often it is replayed)."""
+        out = {
+            "batches": 1,
+            "messages": self.messages,
+            "retried_rows": self.retried_rows,
+            "applied": self.applied,
+            "failed": self.failed,
+            "busy": self.busy,
+            "invalid": self.invalid,
+            "mismatched": self.mismatched,
+            "dead": self.dead,
+        }
+        out.update({f"{_DUPLICATE}{cause}": n for cause, n in self.duplicates.items()})
+        out.update({f"{_LEVEL}{level}": n for level, n in self.retried_by_level.items()})
+        return {name: n for name, n in out.items() if n}
+
+    def attempt_counters(self) -> dict[str, int]:
+        """Counters of this attempt (a replay adds them again)."""
+        return {"possible_repeats": self.retaken} if self.retaken else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """A group's counters over every batch recorded so far."""
+
+    batches: int = 0
+    messages: int = 0
+    retried_rows: int = 0
+    applied: int = 0
+    failed: int = 0
+    busy: int = 0
+    invalid: int = 0
+    mismatched: int = 0
+    dead: int = 0
+    possible_repeats: int = 0
+    replayed_batches: int = 0
+    duplicates: Mapping[str, int] = field(default_factory=dict)
+    retried_by_level: Mapping[int, int] = field(default_factory=dict)
+    dlq_replayed: int = 0
+    """Dead letters sent back by ``idem dlq replay``."""
+
+    @property
+    def duplicates_total(self) -> int:
+        """All rows suppressed as duplicates."""
+        return sum(self.duplicates.values())
+
+    @property
+    def retried_total(self) -> int:
+        """All rows sent back for a later delay level."""
+        return sum(self.retried_by_level.values())
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, int]) -> Totals:
+        """Parse the Redis hash of counters."""
+        dups = {k[len(_DUPLICATE) :]: v for k, v in raw.items() if k.startswith(_DUPLICATE)}
+        levels = {int(k[len(_LEVEL) :]): v for k, v in raw.items() if k.startswith(_LEVEL)}
+        plain = {
+            name: raw.get(name, 0)
+            for name in (
+                "batches",
+                "messages",
+                "retried_rows",
+                "applied",
+                "failed",
+                "busy",
+                "invalid",
+                "mismatched",
+                "dead",
+                "possible_repeats",
+                "replayed_batches",
+                "dlq_replayed",
+            )
+        }
+        return cls(duplicates=dups, retried_by_level=dict(sorted(levels.items())), **plain)
+
+
+class StatsStore:
+    """Reads and writes one group's counters (hash-tagged by group, cluster safe)."""
+
+    def __init__(self, client: redis.Redis, group: str, *, marker_ttl_ms: int) -> None:
+        self.client = client
+        self.group = group
+        self.marker_ttl_ms = marker_ttl_ms
+        self.totals_key = f"idem:{{{group}}}:spark:totals"
+        self._record = client.register_script(_RECORD)
+        self._begin = client.register_script(_BEGIN)
+
+    def marker_key(self, query_id: str, batch_id: int) -> str:
+        """The once-per-batch marker of ``(query_id, batch_id)``."""
+        return f"idem:{{{self.group}}}:spark:batch:{query_id}:{batch_id}"
+
+    def attempts_key(self, query_id: str, batch_id: int) -> str:
+        """The attempt counter of ``(query_id, batch_id)``."""
+        return f"idem:{{{self.group}}}:spark:attempts:{query_id}:{batch_id}"
+
+    def begin(self, query_id: str, batch_id: int) -> int:
+        """Count an attempt at the batch; returns its number (> 1: Spark replayed the batch)."""
+        try:
+            n = self._begin(
+                keys=[self.attempts_key(query_id, batch_id), self.totals_key],
+                args=[self.marker_ttl_ms],
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"counting the batch attempt failed: {exc}") from exc
+        return int(n)
+
+    def record(self, stats: BatchStats) -> bool:
+        """Add a batch's counters; returns False when the batch had been recorded (a replay)."""
+        once = stats.once_counters()
+        argv: list[str | int] = [self.marker_ttl_ms, len(once)]
+        for name, n in (*once.items(), *stats.attempt_counters().items()):
+            argv += [name, n]
+        try:
+            first = self._record(
+                keys=[self.marker_key(stats.query_id, stats.batch_id), self.totals_key],
+                args=argv,
+            )
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"recording batch counters failed: {exc}") from exc
+        return bool(first)
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Add to one counter outside a batch (e.g. ``dlq_replayed``)."""
+        try:
+            self.client.hincrby(self.totals_key, name, n)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"updating counter {name!r} failed: {exc}") from exc
+
+    def totals(self) -> Totals:
+        """The group's counters so far."""
+        try:
+            raw = self.client.hgetall(self.totals_key)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"reading batch counters failed: {exc}") from exc
+        return Totals.from_hash({_text(k): int(v) for k, v in raw.items()})
+
+    def reset(self) -> None:
+        """Forget the totals (markers expire on their own)."""
+        self.client.delete(self.totals_key)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

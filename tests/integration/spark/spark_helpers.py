@@ -1,0 +1,60 @@
+"""Helpers shared by the Spark tests: order files, sink tables, DLQ rows."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from deltalake import DeltaTable
+
+from idem.config import IdemConfig
+from idem.retry.dlq import DeadLetter, DeadLetterTable
+
+
+def order(n: int | str, **extra: Any) -> dict[str, Any]:
+    """One order row keyed ``order_id``."""
+    key = n if isinstance(n, str) else f"ORDERID_{n}"
+    return {"order_id": key, "amount": 10.0 + (hash(key) % 50), **extra}
+
+
+def write_files(directory: Path, batches: Iterable[Iterable[Mapping[str, Any]]]) -> list[Path]:
+    """One JSON-lines file per batch, named so they sort in order."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    start = len(list(directory.glob("*.json")))
+    for i, rows in enumerate(batches, start=start):
+        path = directory / f"part-{i:04d}.json"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def sink_key_counts(path: str | Path) -> Counter[str]:
+    """How often each key is in a Delta sink table."""
+    keys = DeltaTable(str(path)).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
+    return Counter(str(k) for k in keys)
+
+
+def sink_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a Delta sink table."""
+    rows: list[dict[str, Any]] = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    return rows
+
+
+def dead_letters(config: IdemConfig) -> list[DeadLetter]:
+    """The group's ``%DLQ%<group>`` rows."""
+    return DeadLetterTable(config.resolved_dlq_path, config.group).list()
+
+
+def config_for(tmp_path: Path, url: str, group: str, **extra: Any) -> IdemConfig:
+    """A test config: short delay levels, few retries, tables under ``tmp_path``."""
+    settings: dict[str, Any] = {
+        "delay_levels": "1s 1s 1s",
+        "max_reconsume_times": 2,
+        "buckets": 4,
+        **extra,
+    }
+    return IdemConfig(group=group, redis_url=url, data_dir=str(tmp_path / "idem-data"), **settings)

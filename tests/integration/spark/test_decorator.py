@@ -1,0 +1,196 @@
+"""``@exactly_once`` on Spark DataFrames: what reaches the sink, what is sent back, replays.
+
+The decorator is called the way ``foreachBatch`` calls it, with DataFrames of a
+real local Spark session, against a real redis-server and real Delta tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import types as st
+from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
+
+from idem.config import MismatchPolicy
+from idem.redis_server import RedisServer
+from idem.retry.engine import RetryEngine
+from idem.spark.decorator import ExactlyOnce, exactly_once
+from idem.spark.faults import CrashPlan, CrashPoint, SimulatedCrash
+from idem.spark.retry_source import retry_stream
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+SCHEMA = st.StructType(
+    [
+        st.StructField("order_id", st.StringType()),
+        st.StructField("amount", st.DecimalType(10, 2)),
+        st.StructField("placed_at", st.TimestampType()),
+        st.StructField("tags", st.ArrayType(st.StringType())),
+    ]
+)
+
+
+def _rows(*keys: str, amount: str = "9.99") -> list[tuple[Any, ...]]:
+    at = dt.datetime(2024, 5, 1, 10, 0, 0, 123456, tzinfo=dt.UTC)
+    return [(k, Decimal(amount), at, ["a", k]) for k in keys]
+
+
+def _df(spark: SparkSession, *keys: str, amount: str = "9.99") -> DataFrame:
+    return spark.createDataFrame(_rows(*keys, amount=amount), SCHEMA)
+
+
+class Recorder:
+    """A user sink that keeps what it was given and fails the keys it is told to."""
+
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.fail = fail or set()
+
+    def __call__(self, fresh: DataFrame, batch_id: int) -> list[str]:
+        got = fresh.toArrow().to_pylist()
+        self.rows += got
+        return [r["order_id"] for r in got if r["order_id"] in self.fail]
+
+
+def test_only_fresh_rows_reach_the_delta_sink_table_which_is_its_own_ledger(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "decorated")
+    sink = ExactlyOnce(
+        None, config=config, key="order_id", client=real_redis,
+        sink_table=str(tmp_path / "orders"), query_id="q1",
+    )  # fmt: skip
+    first = sink.process(_df(spark, "A", "B", "A"), 0)
+    second = sink.process(_df(spark, "B", "C"), 1)
+
+    assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1, "C": 1}
+    assert first.duplicates == {"in_batch": 1}
+    assert second.duplicates == {"completed": 1}
+    # The table holds the user's columns, typed as they were, next to the ledger's.
+    row = next(r for r in sink_rows(tmp_path / "orders") if r["key"] == "C")
+    assert row["order_id"] == "C"
+    assert row["amount"] == Decimal("9.99")
+    assert row["tags"] == ["a", "C"]
+    assert row["batch_id"] == 1
+    assert row["owner"] == "q1:1"
+
+
+def test_a_replayed_batch_retakes_its_claims_and_the_delta_sink_stays_exactly_once(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "replayed")
+    for point in (CrashPoint.AFTER_SINK, CrashPoint.AFTER_COMMIT):
+        table = tmp_path / point.value
+        sink = ExactlyOnce(
+            None, config=config.with_changes(group=f"r-{point.value}".replace("_", "-")),
+            key="order_id", client=real_redis, sink_table=str(table), query_id="q",
+            crash_plan=CrashPlan(point, 0),
+        )  # fmt: skip
+        batch = _df(spark, "A", "B", "C")
+        with pytest.raises(SimulatedCrash):
+            sink.process(batch, 0)
+        replay = sink.process(batch, 0)  # Spark runs batch 0 again after the crash
+        assert sink_key_counts(table) == {"A": 1, "B": 1, "C": 1}
+        assert replay.applied == 3  # the batch's own work, whichever attempt committed it
+        assert sink.stats.totals().replayed_batches == 1
+
+
+def test_a_function_sink_sees_a_replayed_batch_again_with_the_same_idempotency_keys(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "repeat")
+    recorder = Recorder()
+    sink = exactly_once(key="order_id", config=config, client=real_redis,
+                        idempotency_column="idem_key")(recorder)  # fmt: skip
+    sink.query_id = "q"
+    sink.crash_plan = CrashPlan(CrashPoint.AFTER_SINK, 0)
+    with pytest.raises(SimulatedCrash):
+        sink.process(_df(spark, "A", "B"), 0)
+    replay = sink.process(_df(spark, "A", "B"), 0)
+    sink.process(_df(spark, "A", "B"), 1)  # a later batch with the same keys: duplicates
+
+    assert [r["order_id"] for r in recorder.rows] == ["A", "B", "A", "B"]
+    assert {r["idem_key"] for r in recorder.rows} == {"repeat:A", "repeat:B"}
+    assert replay.retaken == 2
+    assert sink.stats.totals().possible_repeats == 2
+
+
+def test_failed_keys_are_sent_back_and_an_exception_fails_every_fresh_row(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "failing")
+    recorder = Recorder(fail={"B"})
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    sink.query_id = "q"
+    outcome = sink.process(_df(spark, "A", "B"), 0)
+    assert outcome.applied_keys == ("A",)
+    assert outcome.failed_keys == ("B",)
+    assert outcome.retried_by_level == {3: 1}
+
+    def broken(fresh: DataFrame, batch_id: int) -> None:
+        raise ConnectionError("warehouse is down")
+
+    sink_down = exactly_once(key="order_id", config=config, client=real_redis)(broken)
+    sink_down.query_id = "q2"
+    down = sink_down.process(_df(spark, "C", "D", "A"), 0)
+    assert down.applied == 0
+    assert sorted(down.failed_keys) == ["C", "D"]
+    assert down.duplicates == {"completed": 1}
+    engine = RetryEngine(config, client=real_redis)
+    assert engine.pending() == 3  # B, C and D wait on their delay level
+
+
+def test_failed_rows_come_back_through_the_retry_stream_with_their_typed_columns(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "stream")
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(Recorder(fail={"X"}))
+    sink.query_id = "q"
+    sink.process(_df(spark, "X", "Y", amount="12.34"), 0)
+    engine = RetryEngine(config, client=real_redis)
+    due = engine.next_due_ms()
+    assert due is not None
+    engine.clock.sleep(max(0, due - engine.clock.now_ms()) / 1000 + 0.05)
+
+    got: list[dict[str, Any]] = []
+    query = (
+        retry_stream(spark, schema=SCHEMA, config=config)
+        .writeStream.foreachBatch(lambda df, _bid: got.extend(df.toArrow().to_pylist()))
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    [row] = got
+    assert row["order_id"] == "X"
+    assert row["amount"] == Decimal("12.34")
+    assert row["placed_at"] == dt.datetime(2024, 5, 1, 10, 0, 0, 123456, tzinfo=dt.UTC)
+    assert row["tags"] == ["a", "X"]
+    assert row["reconsume_times"] == 1
+
+
+def test_a_completed_key_with_a_different_payload_is_dead_lettered_when_asked(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(
+        tmp_path, redis_server.url, "mismatch", mismatch_policy=MismatchPolicy.DEAD_LETTER
+    )
+    sink = ExactlyOnce(
+        None, config=config, key="order_id", client=real_redis,
+        sink_table=str(tmp_path / "orders"), query_id="q",
+    )  # fmt: skip
+    sink.process(_df(spark, "A", "B"), 0)
+    later = sink.process(_df(spark, "A", amount="10.00"), 1)  # same key, other payload
+    sink.process(_df(spark, "B"), 2)  # same key, same payload: a plain duplicate
+    assert later.mismatched == 1
+    assert later.dead == 1
+    [letter] = dead_letters(config)
+    assert letter.key == "A"
+    assert "payload_mismatch" in (letter.last_error or "")
+    assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1}

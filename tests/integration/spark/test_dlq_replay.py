@@ -1,0 +1,110 @@
+"""``idem dlq replay``: a fixed poison row is applied once; replaying it again applies nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+from pyspark.sql import DataFrame, SparkSession
+from spark_helpers import config_for, dead_letters, order, sink_key_counts, write_files
+
+from idem.cli import main
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry.dlq import DeadLetterStatus
+from idem.spark.run import Pipeline, RunReport, RunSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+POISON = "ORDERID_2"
+
+
+class PricingSink:
+    """Rejects the poison order until the bug is fixed; counts what it was given."""
+
+    def __init__(self) -> None:
+        self.fixed = False
+        self.seen: Counter[str] = Counter()
+
+    def __call__(self, fresh: DataFrame, batch_id: int) -> dict[str, str]:
+        keys = [r["order_id"] for r in fresh.select("order_id").toArrow().to_pylist()]
+        self.seen.update(keys)
+        if self.fixed or POISON not in keys:
+            return {}
+        return {POISON: "KeyError: no price for product 'P-17'"}
+
+
+def _cli(config: IdemConfig, *args: str) -> int:
+    return main(
+        [
+            "dlq",
+            *args,
+            "--group",
+            config.group,
+            "--redis-url",
+            config.redis_url,
+            "--data-dir",
+            config.data_dir,
+            "--delay-levels",
+            "1s 1s 1s",
+        ]
+    )
+
+
+def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    write_files(tmp_path / "in", [[order(1), order(2), order(3)]])
+    config = config_for(tmp_path, redis_server.url, "replay", max_reconsume_times=1)
+    sink = PricingSink()
+    spec = RunSpec(
+        source=str(tmp_path / "in"),
+        key="order_id",
+        sink_delta=str(tmp_path / "sink"),
+        checkpoint=str(tmp_path / "checkpoint"),
+        available_now=True,
+    )
+
+    def run() -> RunReport:
+        return Pipeline(spark, config, spec, sink_fn=sink, client=real_redis).run()
+
+    run()
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_3": 1}
+    [letter] = dead_letters(config)
+    assert letter.key == POISON
+    assert letter.status is DeadLetterStatus.DEAD
+
+    assert _cli(config, "ls") == 0
+    assert POISON in capsys.readouterr().out
+    assert _cli(config, "show", "--key", POISON) == 0
+    shown = capsys.readouterr().out
+    assert "no price for product" in shown
+    assert '"amount"' in shown
+
+    sink.fixed = True  # the bug in the sink is fixed; replay the dead letter
+    assert _cli(config, "replay", "--key", POISON) == 0
+    assert "replayed 1 dead letter" in capsys.readouterr().out
+    report = run()
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_2": 1, "ORDERID_3": 1}
+    [letter] = dead_letters(config)
+    assert letter.status is DeadLetterStatus.REPLAYED
+    assert letter.replayed_at_ms is not None
+    assert report.dead_letters == 0
+    seen_before = sink.seen[POISON]
+
+    # Replaying again: a REPLAYED row is left alone unless asked; when forced, the
+    # dedup layer recognises the completed key and the sink is not called for it.
+    assert _cli(config, "replay", "--key", POISON) == 0
+    assert "nothing to replay" in capsys.readouterr().out
+    assert _cli(config, "replay", "--key", POISON, "--include-replayed") == 0
+    report = run()
+    assert sink.seen[POISON] == seen_before
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_2": 1, "ORDERID_3": 1}
+    assert report.totals.duplicates.get("completed", 0) >= 1
+    assert report.pending_retries == 0

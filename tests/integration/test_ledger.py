@@ -1,0 +1,407 @@
+"""The ledger contract on real Delta tables, for every engine available here.
+
+delta-rs always runs. The delta-spark engine needs a Spark session with
+Delta's extension and jars, which this build machine cannot download; its
+parameter skips with the reason (set ``IDEM_REQUIRE_DELTA_SPARK=1`` where the
+jars exist to make a missing session fail instead).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, QueryBuilder, write_deltalake
+
+from idem.clock import ManualClock
+from idem.keys import bucket_of
+from idem.ledger import DeltaLedger, Ledger, conform, make_rows, spark_delta_session
+from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
+
+pytestmark = pytest.mark.integration
+
+BUCKETS = 4
+MINUTE_MS = 60_000
+DAY_MS = 86_400_000
+LEASE_MS = 5 * MINUTE_MS
+START_MS = 1_700_049_600_000  # 2023-11-15 12:00:00 UTC
+
+MakeLedger = Callable[..., Ledger]
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """Noon UTC, so a few hours either way stay on the same date."""
+    return ManualClock(START_MS)
+
+
+@pytest.fixture(params=["deltars", "spark"])
+def make_ledger(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock) -> MakeLedger:
+    """A factory of ledgers on one table path (more than one = several writers)."""
+    path = str(tmp_path / "ledger")
+    if request.param == "spark":
+        session = spark_delta_session()
+        if session is None:
+            reason = (
+                "delta-spark engine: no active SparkSession with "
+                "io.delta.sql.DeltaSparkSessionExtension and the delta-spark package "
+                "(Delta's jars come from Maven, unreachable here)"
+            )
+            if os.environ.get("IDEM_REQUIRE_DELTA_SPARK"):
+                pytest.fail(reason, pytrace=False)
+            pytest.skip(reason)
+        from idem.ledger.spark_engine import SparkDeltaLedger
+
+        def make_spark(**options: Any) -> Ledger:
+            return SparkDeltaLedger(session, path, clock=clock, **options)
+
+        return make_spark
+
+    def make_deltars(**options: Any) -> Ledger:
+        return DeltaLedger(path, clock=clock, **options)
+
+    return make_deltars
+
+
+def rows_for(
+    keys: Sequence[str], clock: ManualClock, *, fingerprint: str = "fp", **columns: Any
+) -> pa.Table:
+    """Rows for ``keys`` completed now on ``clock``."""
+    table = make_rows(
+        group="orders",
+        keys=keys,
+        buckets=[bucket_of(k, BUCKETS) for k in keys],
+        fingerprints=[f"{fingerprint}-{k}" for k in keys],
+        columns=columns or None,
+    )
+    return conform(table, now_ms=clock.now_ms())
+
+
+def commit(
+    ledger: Ledger, keys: Sequence[str], clock: ManualClock, *, app: str = "app", txn: int = 0
+) -> Any:
+    """Commit ``keys`` matching the lease horizon, as index mode does."""
+    return ledger.commit(
+        rows_for(keys, clock),
+        app_id=app,
+        txn_version=txn,
+        match_since_ms=clock.now_ms() - LEASE_MS,
+    )
+
+
+def ledger_keys(ledger: Ledger) -> list[str]:
+    """Every key in the ledger (with repeats), sorted."""
+    return sorted(ledger.window(0).keys.column("key").to_pylist())
+
+
+def test_a_missing_table_has_version_minus_one_and_nothing_in_it(make_ledger: MakeLedger) -> None:
+    ledger = make_ledger()
+    assert ledger.version() == -1
+    assert ledger.window(0).version == -1
+    assert ledger.existing(["A"], since_ms=None) == {}
+    assert ledger.audit() == []
+
+
+def test_a_replayed_batch_commits_nothing(make_ledger: MakeLedger, clock: ManualClock) -> None:
+    ledger = make_ledger()
+    first = commit(ledger, ["A", "B", "C"], clock, txn=7)
+    assert (first.inserted, first.replayed, first.already_present) == (3, False, [])
+    assert ledger.version() == first.version
+
+    again = commit(ledger, ["A", "B", "C", "D"], clock, txn=7)  # Spark replays batch 7
+    older = commit(ledger, ["E"], clock, txn=6)
+    assert again.replayed
+    assert older.replayed
+    assert again.version is None
+    assert again.inserted == 0
+    assert ledger.version() == first.version
+    assert ledger_keys(ledger) == ["A", "B", "C"]
+
+
+def test_keys_already_in_the_window_are_reported_not_inserted(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger()
+    commit(ledger, ["A", "B"], clock, app="owner-1")
+    clock.advance(60)
+    second = commit(ledger, ["B", "C"], clock, app="owner-2")  # B slipped past Redis
+    assert second.inserted == 1
+    assert second.already_present == ["B"]
+    everything_twice = commit(ledger, ["A", "C"], clock, app="owner-3")
+    assert everything_twice.inserted == 0
+    assert sorted(everything_twice.already_present) == ["A", "C"]
+    # ... and that batch's txn is still recorded: its replay is recognised.
+    assert commit(ledger, ["A", "C"], clock, app="owner-3").replayed
+    assert ledger_keys(ledger) == ["A", "B", "C"]
+    assert ledger.audit() == []
+
+
+def test_outside_the_match_window_a_key_is_inserted_again_and_audit_finds_it(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger(dedup_window_ms=7 * DAY_MS)
+    commit(ledger, ["A", "B"], clock, app="a")
+    clock.advance(3600)  # an hour later: far outside a 5-minute lease horizon
+    late = commit(ledger, ["A"], clock, app="b")
+    assert late.inserted == 1  # index mode trusts Redis for anything older
+    assert ledger.audit() == [("A", 2)]
+    strict = ledger.commit(rows_for(["B"], clock), app_id="c", txn_version=0, match_since_ms=None)
+    assert strict.already_present == ["B"]  # strict mode matches the whole window
+
+
+def test_the_first_commit_creates_the_table_as_version_zero(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger()
+    first = commit(ledger, ["A"], clock)
+    assert first.version == ledger.version() == 0  # no data-less version for an index to skip
+    changed = ledger.keys_added_since(-1)
+    assert changed is not None
+    assert changed.keys.column("key").to_pylist() == ["A"]
+
+
+def test_in_batch_repeats_are_kept_once(make_ledger: MakeLedger, clock: ManualClock) -> None:
+    ledger = make_ledger()
+    result = commit(ledger, ["A", "B", "A"], clock)
+    assert result.inserted == 2
+    assert ledger_keys(ledger) == ["A", "B"]
+
+
+def test_concurrent_commits_from_two_threads_both_land(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    make_ledger().commit(rows_for(["seed"], clock), app_id="s", txn_version=0, match_since_ms=0)
+    writers = [make_ledger(), make_ledger()]  # two handles, like two driver processes
+    batches = [[f"K{w}-{i}" for i in range(200)] for w in range(2)]
+    shared = [f"S{i}" for i in range(100)]  # both claim these (a failover hole)
+    barrier = threading.Barrier(2)
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            barrier.wait()
+            results[w] = commit(writers[w], batches[w] + shared, clock, app=f"w{w}", txn=1)
+        except BaseException as exc:  # reported below; a thread cannot raise into pytest
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert sum(r.inserted for r in results) == 400 + 100
+    assert sorted(results[0].already_present + results[1].already_present) == sorted(shared)
+    assert ledger_keys(writers[0]) == sorted(["seed", *batches[0], *batches[1], *shared])
+    assert writers[0].audit() == []
+
+
+def test_two_writers_creating_the_ledger_at_once_insert_each_key_once(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    writers = [make_ledger(), make_ledger()]
+    shared = [f"S{i}" for i in range(50)]
+    barrier = threading.Barrier(2)
+    results: list[Any] = [None, None]
+
+    def run(w: int) -> None:
+        barrier.wait()
+        results[w] = commit(
+            writers[w], [f"W{w}-{i}" for i in range(50)] + shared, clock, app=f"w{w}"
+        )
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(r.version for r in results) == [0, 1]
+    assert sorted(results[0].already_present + results[1].already_present) == sorted(shared)
+    assert writers[0].audit() == []
+    assert len(ledger_keys(writers[0])) == 150
+
+
+def test_keys_added_since_reads_exactly_the_later_versions(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger()
+    v1 = commit(ledger, ["A", "B"], clock, txn=1).version
+    clock.advance(10)
+    commit(ledger, ["C"], clock, txn=2)
+    clock.advance(10)
+    v3 = commit(ledger, ["D", "E", "A"], clock, txn=3).version  # A is a slipped duplicate
+
+    changed = ledger.keys_added_since(v1)
+    assert changed is not None
+    assert changed.version == v3
+    rows = sorted(changed.keys.to_pylist(), key=lambda r: r["key"])
+    assert [r["key"] for r in rows] == ["C", "D", "E"]
+    assert {r["bucket"] for r in rows} <= set(range(BUCKETS))
+    assert all(r["bucket"] == bucket_of(r["key"], BUCKETS) for r in rows)
+    assert rows[0]["fingerprint"] == "fp-C"
+    assert rows[0]["completed_at_ms"] == START_MS + 10_000
+
+    nothing = ledger.keys_added_since(v3)
+    assert nothing is not None
+    assert (nothing.keys.num_rows, nothing.version) == (0, v3)
+    everything = ledger.keys_added_since(-1)
+    assert everything is not None
+    assert everything.keys.num_rows == 5
+
+
+def test_keys_added_since_does_not_repeat_keys_a_compaction_rewrote(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger()
+    for txn in range(3):
+        commit(ledger, [f"K{txn}-{i}" for i in range(5)], clock, txn=txn)
+    before = ledger.version()
+    clock.advance(DAY_MS / 1000)  # the next day: yesterday's files may be compacted
+    compacted = ledger.compact()
+    assert compacted.files_removed > compacted.files_added > 0
+    commit(ledger, ["new"], clock, txn=9)
+    changed = ledger.keys_added_since(before)
+    assert changed is not None
+    assert changed.keys.column("key").to_pylist() == ["new"]
+    assert ledger.audit() == []
+    assert len(ledger_keys(ledger)) == 16
+
+
+def test_keys_added_since_says_when_the_log_was_cleaned(tmp_path: Path, clock: ManualClock) -> None:
+    path = tmp_path / "ledger"
+    ledger = DeltaLedger(str(path), clock=clock)
+    for txn in range(4):  # versions 0..3
+        commit(ledger, [f"K{txn}"], clock, txn=txn)
+    DeltaTable(str(path)).create_checkpoint()
+    for version in range(2):  # what log cleanup removes once a checkpoint covers it
+        (path / commit_name(version)).unlink()
+
+    fresh = DeltaLedger(str(path), clock=clock)  # a new process: no remembered version
+    assert fresh.version() == 3
+    assert fresh.keys_added_since(0) is None  # the caller must rebuild from the window
+    changed = fresh.keys_added_since(2)
+    assert changed is not None
+    assert changed.keys.column("key").to_pylist() == ["K3"]
+    assert sorted(fresh.window(0).keys.column("key").to_pylist()) == ["K0", "K1", "K2", "K3"]
+
+
+def test_window_reads_only_the_requested_days_and_buckets(
+    make_ledger: MakeLedger, clock: ManualClock, tmp_path: Path
+) -> None:
+    ledger = make_ledger()
+    keys = [f"K{i}" for i in range(40)]
+    for day, txn in ((0, 0), (1, 1), (2, 2)):
+        commit(ledger, [f"{k}@{day}" for k in keys], clock, txn=txn)
+        clock.advance(DAY_MS / 1000)
+    since = START_MS + DAY_MS  # day 1 onwards
+    wanted = [0, 2]
+    # Remove what the window must not touch: if it read it, it would fail.
+    root = tmp_path / "ledger"
+    for data_file in root.rglob("*.parquet"):
+        parts = dict(p.split("=", 1) for p in data_file.parent.relative_to(root).parts)
+        if parts["completed_date"] == "2023-11-15" or int(parts["bucket"]) not in wanted:
+            data_file.unlink()
+
+    window = ledger.window(since, wanted)
+    assert window.version == ledger.version()
+    got = window.keys.to_pylist()
+    expected = sorted(
+        f"{k}@{day}" for day in (1, 2) for k in keys if bucket_of(f"{k}@{day}", BUCKETS) in wanted
+    )
+    assert sorted(r["key"] for r in got) == expected
+    assert all(r["completed_at_ms"] >= since for r in got)
+
+
+def test_existing_and_lookup_results_answer_for_many_keys(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    ledger = make_ledger()
+    keys = [f"ORDER_{i}" for i in range(3000)]
+    results = [f'{{"n": {i}}}' if i % 2 else None for i in range(3000)]
+    ledger.commit(
+        rows_for(keys, clock, result=results), app_id="a", txn_version=0, match_since_ms=None
+    )
+    clock.advance(3600)
+    commit(ledger, ["LATE"], clock, app="b")
+    probe = [*keys[::3], "LATE", *(f"MISSING_{i}" for i in range(20_000))]  # no IN-list crash
+
+    found = ledger.existing(probe, since_ms=None)
+    assert set(found) == {*keys[::3], "LATE"}
+    assert found["ORDER_3"] == "fp-ORDER_3"
+    assert set(ledger.existing(probe, since_ms=clock.now_ms() - LEASE_MS)) == {"LATE"}
+    looked = ledger.lookup_results(["ORDER_0", "ORDER_1", "MISSING_1"])
+    assert looked == {"ORDER_0": None, "ORDER_1": '{"n": 1}'}
+
+
+def test_expire_drops_old_days_and_keeps_the_rest(tmp_path: Path, clock: ManualClock) -> None:
+    path = tmp_path / "ledger"
+    ledger = DeltaLedger(str(path), clock=clock)
+    for day, keys in ((0, ["old1", "old2"]), (5, ["mid"]), (9, ["new"])):
+        clock.advance(day * DAY_MS / 1000 - (clock.now_ms() - START_MS) / 1000)
+        commit(ledger, keys, clock, txn=day)
+    old_files = [f for f in path.rglob("*.parquet") if "2023-11-15" in str(f)]
+    assert old_files
+
+    deleted = ledger.expire(clock.now_ms() - 7 * DAY_MS, vacuum_retention_hours=0)
+    assert deleted == 2
+    assert ledger_keys(ledger) == ["mid", "new"]
+    assert not any(f.exists() for f in old_files)  # vacuumed, not just unlinked from the log
+    assert ledger.expire(clock.now_ms() - 7 * DAY_MS, vacuum_retention_hours=0) == 0
+
+
+def test_a_sink_table_that_is_its_own_ledger_keeps_the_user_columns(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    path = str(tmp_path / "sink")
+    ledger = DeltaLedger(path, clock=clock)
+    rows = rows_for(["A", "B"], clock).append_column("amount", pa.array([9.5, 3.0]))
+    ledger.commit(rows, app_id="q", txn_version=0, match_since_ms=None)
+    later = rows_for(["B", "C"], clock).append_column("amount", pa.array([1.0, 7.25]))
+    result = ledger.commit(later, app_id="q", txn_version=1, match_since_ms=None)
+    assert result.already_present == ["B"]
+    stored = pa.table(
+        QueryBuilder()
+        .register("sink", DeltaTable(path))
+        .execute("SELECT key, amount FROM sink ORDER BY key")
+        .read_all()
+    )
+    assert stored.column("amount").to_pylist() == [9.5, 3.0, 7.25]
+
+
+def test_version_sees_other_writers_and_counts_every_commit(tmp_path: Path) -> None:
+    path = tmp_path / "ledger"
+    reader = DeltaLedger(str(path))
+    assert reader.version() == -1
+    write_deltalake(str(path), pa.table({"x": [1]}))
+    write_deltalake(str(path), pa.table({"x": [2]}), mode="append")
+    assert reader.version() == 1
+    assert (path / LOG_DIR / "00000000000000000001.json").exists()
+
+
+def test_the_object_store_log_reader_reads_like_the_local_one(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """s3:// / abfss:// ledgers go through delta-rs' storage handler; it must agree."""
+    path = tmp_path / "ledger"
+    ledger = DeltaLedger(str(path), clock=clock)
+    commit(ledger, ["A", "B", "C"], clock)
+    local, remote = LocalLogStore(str(path)), ObjectLogStore(str(path), None)
+    for store in (local, remote):
+        assert store.exists(commit_name(0))
+        assert not store.exists(commit_name(1))
+        entry = parse_commit(0, store.read_bytes(commit_name(0)))
+        keys = sorted(
+            k
+            for added in entry.added
+            for k in store.read_parquet(added.path, ["key"])["key"].to_pylist()
+        )
+        assert keys == ["A", "B", "C"]
+        with pytest.raises(FileNotFoundError):
+            store.read_bytes(commit_name(1))
+    assert sorted(local.list_log()) == sorted(remote.list_log())

@@ -1,0 +1,186 @@
+"""The resend path on a real redis-server: concurrent schedule services, FLUSHALL + rebuild,
+reclaim of stale deliveries, and the ``idem schedule`` / ``idem retry`` commands.
+
+Every test ends with the invariant: each message is in exactly one of done / retrying / dead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.cli import main as idem_main
+from idem.clock import ManualClock
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry import MessageExt, RetryEngine, RetryTopic, audit_states
+
+pytestmark = pytest.mark.integration
+
+
+def _config(tmp_path: Path, server: RedisServer, group: str, **kw: object) -> IdemConfig:
+    return IdemConfig(group=group, redis_url=server.url, data_dir=str(tmp_path),
+                      **kw)  # type: ignore[arg-type]
+
+
+def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
+    return [MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}",
+                       body=b'{"row": 1}') for i in range(n)]
+
+
+def _assert_invariant(engine: RetryEngine, expected: set[str], done: set[str]) -> None:
+    audit = audit_states(engine, expected, done)
+    assert audit.ok, audit.describe()
+
+
+def test_two_schedule_services_on_one_group_deliver_each_message_once(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_two", delay_levels="20ms 40ms 60ms 80ms")
+    producer = RetryEngine(config)
+    services = [RetryEngine(config).schedule_service(batch_size=50, name=f"svc-{i}")
+                for i in range(2)]
+    consumer = RetryEngine(config)
+    seen: Counter[str] = Counter()
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set() or consumer.pending():
+            batch = consumer.poll_retry("consumer-1", 500, block_ms=20)
+            seen.update(m.origin_msg_id for m in batch)
+            if batch:
+                consumer.ack(batch)
+
+    worker = threading.Thread(target=consume)
+    for service in services:
+        service.start()
+    worker.start()
+    expected: set[str] = set()
+    try:
+        for round_ in range(10):
+            batch = _messages(100, f"r{round_}-")
+            expected |= {m.msg_id for m in batch}
+            result = producer.send_back(batch, delay_level=1 + round_ % 4)
+            assert len(result.scheduled) == 100
+            time.sleep(0.01)
+        deadline = time.monotonic() + 20
+        while producer.pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        worker.join(10)
+        for service in services:
+            service.stop()
+    assert set(seen) == expected
+    assert set(seen.values()) == {1}, "a message was delivered twice"
+    assert sum(s.moved_total for s in services) == 1000
+    assert all(s.moved_total > 0 for s in services), "both services should have worked"
+    _assert_invariant(producer, expected, set(seen))
+
+
+def test_flushall_after_1000_send_backs_then_rebuild(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_flush")
+    engine = RetryEngine(config, clock=clock)
+    expected = set()
+    for start in range(0, 1000, 100):
+        batch = _messages(100, f"b{start}-")
+        expected |= {m.msg_id for m in batch}
+        assert engine.send_back(batch, app_id="rebuild-test", txn_version=start).acknowledged
+    # 300 come due, are delivered and done before Redis loses everything
+    clock.advance(10)
+    assert engine.tick() == 1000
+    done = engine.poll_retry("c1", 300)
+    engine.ack(done)
+    assert engine.pending() == 700
+    real_redis.flushall()
+    assert engine.pending() == 0
+    assert idem_main(["retry", "rebuild", "--group", config.group, "--redis-url",
+                      redis_server.url, "--data-dir", str(tmp_path)]) == 0
+    assert engine.pending() == 700
+    delivered = list(done)
+    engine.tick()
+    while batch := engine.poll_retry("c2", 250):
+        delivered += batch
+        engine.ack(batch)
+    counts = Counter(m.origin_msg_id for m in delivered)
+    assert set(counts) == expected, "a message was lost"
+    assert set(counts.values()) == {1}, "a message was delivered twice"
+    _assert_invariant(engine, expected, set(counts))
+
+
+def test_a_running_service_rebuilds_redis_after_flushall(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_lost", delay_levels="300ms")
+    engine = RetryEngine(config)
+    with engine.schedule_service():
+        engine.send_back(_messages(100), delay_level=1)
+        real_redis.flushall()  # before anything came due: Redis knows nothing any more
+        delivered: list[MessageExt] = []
+        deadline = time.monotonic() + 10
+        while len(delivered) < 100 and time.monotonic() < deadline:
+            batch = engine.poll_retry("c", 200, block_ms=50)
+            delivered += batch
+            engine.ack(batch)
+    counts = Counter(m.origin_msg_id for m in delivered)
+    assert set(counts) == {f"M{i}" for i in range(100)}
+    assert set(counts.values()) == {1}
+    _assert_invariant(engine, set(counts), set(counts))
+
+
+def test_a_dead_consumers_messages_are_reclaimed(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_reclaim"), clock=clock)
+    engine.send_back(_messages(3), delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    topic = RetryTopic(engine.store, reclaim_idle_ms=100)
+    assert len(topic.read("crashed-consumer", 10)) == 3  # and then it dies without acking
+    assert topic.read("survivor", 10) == []
+    time.sleep(0.15)
+    taken_over = topic.read("survivor", 10)
+    assert sorted(m.origin_msg_id for m in taken_over) == ["M0", "M1", "M2"]
+    assert all(m.topic == "TopicTest" for m in taken_over)
+    engine.ack(taken_over)
+    _assert_invariant(engine, {"M0", "M1", "M2"}, {"M0", "M1", "M2"})
+
+
+def test_idem_schedule_command_runs_until_terminated(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_cli", delay_levels="100ms 200ms")
+    engine = RetryEngine(config)
+    command = [sys.executable, "-m", "idem.cli", "schedule", "--group", config.group,
+               "--redis-url", redis_server.url, "--data-dir", str(tmp_path),
+               "--delay-levels", "100ms 200ms"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        engine.send_back(_messages(50), delay_level=2)
+        delivered: list[MessageExt] = []
+        deadline = time.monotonic() + 30
+        while len(delivered) < 50 and time.monotonic() < deadline:
+            batch = engine.poll_retry("c", 100, block_ms=50)
+            delivered += batch
+            engine.ack(batch)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=20)
+    assert process.returncode == 0, err
+    assert "moved 50 message(s)" in err
+    assert sorted(m.origin_msg_id for m in delivered) == sorted(f"M{i}" for i in range(50))
+    assert idem_main(["retry", "stats", "--group", config.group, "--redis-url",
+                      redis_server.url, "--data-dir", str(tmp_path)]) == 0
+    _assert_invariant(engine, {f"M{i}" for i in range(50)}, {f"M{i}" for i in range(50)})

@@ -1,0 +1,139 @@
+"""The retry journal: Redis is an index over it and can always be rebuilt from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from idem.clock import ManualClock
+from idem.config import IdemConfig
+from idem.retry import (
+    JournalEvent,
+    JournalEventType,
+    JournalPosition,
+    MessageExt,
+    RetryEngine,
+    audit_states,
+)
+from idem.retry.journal import live_messages, plan
+from idem.retry.store import APPLY_CHUNK
+
+pytestmark = pytest.mark.unit
+
+S, A = JournalEventType.SCHEDULED, JournalEventType.ACKED
+
+
+def _engine(tmp_path: Path, clock: ManualClock,
+            client: fakeredis.FakeRedis | None = None) -> RetryEngine:
+    config = IdemConfig(group="CID_journal", data_dir=str(tmp_path))
+    return RetryEngine(config, client=client or fakeredis.FakeRedis(), clock=clock)
+
+
+def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
+    return [MessageExt(topic="T", msg_id=f"{prefix}{i}", keys=f"K{i}") for i in range(n)]
+
+
+def _drain(engine: RetryEngine, clock: ManualClock) -> list[MessageExt]:
+    clock.advance(3 * 3600)
+    engine.tick()
+    delivered = engine.poll_retry("c", 100_000)
+    engine.ack(delivered)
+    return delivered
+
+
+def test_plan_does_not_schedule_what_a_later_event_removes() -> None:
+    def pos(n: int) -> JournalPosition:
+        return JournalPosition(n, 0)
+
+    events = [
+        (pos(0), JournalEvent(S, "A", "o1", queue_id="2", due_ms=5, wire="{}")),
+        (pos(1), JournalEvent(A, "A", "o1")),
+        (pos(2), JournalEvent(S, "A", "o1", queue_id="2", due_ms=9, wire="{}")),
+        (pos(3), JournalEvent(S, "B", "o2", queue_id="2", due_ms=5, wire="{}")),
+        (pos(4), JournalEvent(S, "C", "o2", queue_id="3", due_ms=7, wire="{}", replaces="B")),
+    ]
+    kinds = [[(op.kind, op.msg_id) for op in step] for step in plan(events)]
+    assert kinds == [[], [("R", "A")], [("S", "A")], [], [("R", "B"), ("S", "C")]]
+    assert sorted(live_messages(e for _p, e in events)) == ["A", "C"]
+
+
+def test_flushall_loses_time_not_messages(tmp_path: Path, clock: ManualClock) -> None:
+    engine = _engine(tmp_path, clock)
+    engine.send_back(_messages(50))
+    clock.advance(10)
+    engine.tick()
+    first = engine.poll_retry("c", 10)
+    engine.ack(first)
+    assert engine.pending() == 40
+    engine.client.flushall()
+    assert engine.pending() == 0
+    # the next tick finds the cursor gone and replays the journal: acked ones stay done
+    assert engine.tick() == 40
+    delivered = engine.poll_retry("c", 100)
+    assert {m.origin_msg_id for m in delivered} == {f"M{i}" for i in range(10, 50)}
+    assert engine.pending() == 40
+    engine.ack(delivered)
+    done = {m.origin_msg_id for m in first + delivered}
+    audit = audit_states(engine, {f"M{i}" for i in range(50)}, done)
+    assert audit.ok, audit.describe()
+
+
+def test_a_replayed_batch_is_journaled_once_and_never_resurrected(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    engine = _engine(tmp_path, clock)
+    batch = _messages(5)
+    engine.send_back(batch, app_id="query-1", txn_version=7)
+    version = engine.journal.latest_version()
+    engine.send_back(batch, app_id="query-1", txn_version=7)  # Spark replays batch 7
+    assert engine.journal.latest_version() == version
+    assert engine.pending() == 5
+    delivered = _drain(engine, clock)
+    assert len(delivered) == 5
+    engine.send_back(batch, app_id="query-1", txn_version=7)  # replayed once more, later
+    assert engine.pending() == 0
+    assert _drain(engine, clock) == []
+
+
+def test_two_engines_share_one_journal_and_one_redis(tmp_path: Path, clock: ManualClock) -> None:
+    server = fakeredis.FakeServer()
+    one = _engine(tmp_path, clock, fakeredis.FakeRedis(server=server))
+    two = _engine(tmp_path, clock, fakeredis.FakeRedis(server=server))
+    one.send_back(_messages(3, "a"))
+    two.send_back(_messages(3, "b"))
+    one.send_back(_messages(3, "c"))
+    assert one.pending() == 9
+    delivered = _drain(two, clock)
+    assert sorted(m.origin_msg_id for m in delivered) == sorted(
+        f"{p}{i}" for p in "abc" for i in range(3))
+    assert one.pending() == 0
+    one.client.flushall()
+    one.sync()
+    assert one.pending() == 0  # everything was acked: nothing comes back
+
+
+def test_a_big_commit_is_applied_in_chunks(tmp_path: Path, clock: ManualClock) -> None:
+    engine = _engine(tmp_path, clock)
+    n = APPLY_CHUNK * 2 + 17
+    engine.send_back(_messages(n), delay_level=1)
+    assert engine.pending() == n
+    engine.client.flushall()
+    result = engine.rebuild()
+    assert result.scheduled == n
+    assert engine.store.cursor() == f"{engine.journal.latest_version() + 1}:0"  # type: ignore[operator]
+    assert len(_drain(engine, clock)) == n
+
+
+def test_rebuild_keeps_the_original_due_times(tmp_path: Path, clock: ManualClock) -> None:
+    engine = _engine(tmp_path, clock)
+    (outcome,) = engine.send_back(_messages(1), delay_level=5).outcomes  # 1 min
+    clock.advance(30)
+    engine.client.flushall()
+    engine.rebuild()
+    assert engine.next_due_ms() == outcome.due_ms
+    clock.advance(29.999)
+    assert engine.tick() == 0
+    clock.advance(0.001)
+    assert engine.tick() == 1
