@@ -25,21 +25,26 @@ import logging
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 from importlib import resources
 from itertools import chain
-from typing import Any, Protocol
+from typing import Any
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import Script
-from redis.retry import Retry
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
-from idem.errors import StoreUnavailable, UnsafeRedisConfig
+from idem.errors import StoreUnavailable
+from idem.hotstore_types import (
+    ABSENT,
+    ClaimResult,
+    CompleteResult,
+    HotStore,
+    KeyState,
+    KeyStatus,
+)
 from idem.keys import bucket_of
+from idem.redis_client import check_eviction_policy, connect
 
 __all__ = [
     "ClaimResult",
@@ -60,123 +65,6 @@ SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/
 MAX_OWNER_CHARS = 256
 
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
-
-
-class KeyStatus(StrEnum):
-    """The state of a key in the hot store."""
-
-    ABSENT = "ABSENT"
-    IN_PROGRESS = "IN_PROGRESS"
-    COMPLETED = "COMPLETED"
-
-
-@dataclass(frozen=True, slots=True)
-class KeyState:
-    """What Redis holds for one key (fields not meaningful for the status are ``None``)."""
-
-    status: KeyStatus
-    owner: str | None = None
-    lease_until_ms: int | None = None
-    attempt: int | None = None
-    fingerprint: str | None = None
-    completed_at_ms: int | None = None
-
-    def lease_expired(self, now_ms: int) -> bool:
-        """Whether an IN_PROGRESS claim's lease has run out at ``now_ms``."""
-        return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
-
-
-ABSENT = KeyState(KeyStatus.ABSENT)
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    """How a claim went; every key given appears in exactly one of
-    ``claimed``, ``duplicates``, ``busy`` or ``stale``.
-    """
-
-    claimed: list[str]
-    """Keys this owner now holds (new, re-taken or taken over from an expired lease)."""
-    retaken: list[str]
-    """Subset of ``claimed`` this owner already held (a replay of the same batch)."""
-    duplicates: dict[str, str]
-    """COMPLETED keys and the payload fingerprint stored with them."""
-    busy: list[str]
-    """Keys another owner holds with a live lease."""
-    stale_buckets: frozenset[int]
-    """Buckets to catch up (or rebuild) before claiming ``stale`` again."""
-    stale: list[str] = field(default_factory=list)
-    """Keys not examined: their bucket's index is behind ``min_version`` or unknown."""
-    reclaimed: list[str] = field(default_factory=list)
-    """Subset of ``claimed`` taken over from an expired lease (attempt + 1)."""
-
-
-@dataclass(frozen=True)
-class CompleteResult:
-    """How a completion went."""
-
-    completed: int
-    """Keys that are COMPLETED now (written by this call, or already completed)."""
-    fenced: list[str]
-    """Keys left alone because another owner holds a live lease on them."""
-    watermark_advanced: bool
-    """Whether every bucket's watermark now covers the ledger version."""
-    lagging_buckets: frozenset[int] = frozenset()
-    """Buckets whose watermark did not reach the version (missing, behind, or fenced)."""
-
-
-class HotStore(Protocol):
-    """The primitives the dedup layer needs from a hot store."""
-
-    group: str
-    buckets: int
-
-    def check_eviction_policy(self) -> None:
-        """Refuse a store that may drop keys silently."""
-        ...
-
-    def claim(
-        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
-    ) -> ClaimResult:
-        """Claim keys for ``owner`` where the index has reached ``min_version``."""
-        ...
-
-    def complete(
-        self,
-        keys_by_bucket: Mapping[int, Sequence[str]],
-        owner: str,
-        fingerprints: Mapping[str, str],
-        *,
-        version: int,
-        completed_at_ms: int | None = None,
-    ) -> CompleteResult:
-        """Mark keys COMPLETED after ledger ``version`` and advance the watermarks."""
-        ...
-
-    def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:
-        """Give back ``owner``'s claims; return how many were released."""
-        ...
-
-    def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
-        """The stored state of each key."""
-        ...
-
-    def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
-        """Each bucket's indexed ledger version (``None``: unknown, rebuild needed)."""
-        ...
-
-    def index_completed(
-        self,
-        bucket: int,
-        keys: Sequence[str],
-        fingerprints: Sequence[str],
-        completed_at_ms: Sequence[int],
-        *,
-        to_version: int,
-        from_version: int | None,
-    ) -> bool:
-        """Load ledger keys as COMPLETED and move the watermark; return whether it moved."""
-        ...
 
 
 def _load_script(client: redis.Redis, name: str) -> Script:
@@ -250,13 +138,7 @@ class RedisHotStore:
         timeout, so an unreachable Redis surfaces as :class:`StoreUnavailable`.
         """
         if client is None:
-            client = redis.Redis.from_url(
-                config.redis_url,
-                socket_timeout=30.0,
-                socket_connect_timeout=5.0,
-                retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
-                health_check_interval=30,
-            )
+            client = connect(config.redis_url)
         return cls(
             client,
             group=config.group,
@@ -279,36 +161,8 @@ class RedisHotStore:
     # -- checks ------------------------------------------------------------------------
 
     def check_eviction_policy(self) -> None:
-        """Refuse a Redis that may evict keys: ``maxmemory-policy`` must be ``noeviction``.
-
-        An evicted COMPLETED key would let a duplicate through unnoticed. When
-        ``CONFIG`` is not allowed (ACL, managed Redis) the policy cannot be read:
-        a warning is logged and the check passes.
-        """
-        try:
-            reply = self.client.config_get("maxmemory-policy")
-        except redis.ResponseError as exc:
-            log.warning(
-                "idem could not read Redis maxmemory-policy (%s); make sure it is "
-                "'noeviction', or evicted keys will let duplicates through",
-                exc,
-            )
-            return
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"Redis CONFIG GET maxmemory-policy failed: {exc}") from exc
-        raw = next((v for k, v in reply.items() if k and _text(k) == "maxmemory-policy"), None)
-        policy = None if raw is None else _text(raw)
-        if policy is None:
-            log.warning("Redis did not report maxmemory-policy; make sure it is 'noeviction'")
-            return
-        if policy != "noeviction":
-            raise UnsafeRedisConfig(
-                f"Redis maxmemory-policy is {policy!r}: under memory pressure Redis would "
-                "evict idem's keys silently, and an evicted COMPLETED key lets a duplicate "
-                "through. Set it to 'noeviction' (redis.conf: 'maxmemory-policy noeviction', "
-                "or CONFIG SET maxmemory-policy noeviction then CONFIG REWRITE; on a managed "
-                "Redis, in its parameter group)"
-            )
+        """Refuse a Redis that may evict keys (``maxmemory-policy`` must be ``noeviction``)."""
+        check_eviction_policy(self.client)
 
     def _bucket(self, bucket: int) -> int:
         if type(bucket) is not int or not 0 <= bucket < self.buckets:

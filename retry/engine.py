@@ -26,6 +26,7 @@ import redis
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
+from idem.redis_client import check_eviction_policy, connect
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
 from idem.retry.journal import JournalEvent, JournalEventType, RetryJournal
@@ -137,7 +138,7 @@ class RetryEngine:
         self.clock = clock
         self.faults = faults
         self.on_stage = on_stage
-        self.client = client if client is not None else redis.Redis.from_url(config.redis_url)
+        self.client = client if client is not None else connect(config.redis_url)
         self.store = ScheduleStore(self.client, self.group)
         self.topic = RetryTopic(self.store, reclaim_idle_ms=config.consume_timeout_ms)
         self.journal = RetryJournal(
@@ -160,6 +161,10 @@ class RetryEngine:
             self.store, clock=clock, sync=self._maybe_sync, sync_interval_ms=0
         )
         self._last_sync_ms: int | None = None
+
+    def check(self) -> None:
+        """Start-up check: Redis must not evict keys (an evicted schedule entry loses a retry)."""
+        check_eviction_policy(self.client)
 
     def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
         if self.on_stage is not None and messages:

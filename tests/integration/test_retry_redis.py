@@ -184,3 +184,15 @@ def test_idem_schedule_command_runs_until_terminated(
     assert idem_main(["retry", "stats", "--group", config.group, "--redis-url",
                       redis_server.url, "--data-dir", str(tmp_path)]) == 0
     _assert_invariant(engine, {f"M{i}" for i in range(50)}, {f"M{i}" for i in range(50)})
+
+
+def test_retry_engine_refuses_an_evicting_redis(tmp_path: Path) -> None:
+    from idem.errors import UnsafeRedisConfig
+    from idem.redis_server import RedisServer
+    from idem.retry import RetryEngine
+
+    with RedisServer(maxmemory_policy="volatile-lru") as server:
+        engine = RetryEngine(IdemConfig(group="orders", redis_url=server.url,
+                                        data_dir=str(tmp_path)))
+        with pytest.raises(UnsafeRedisConfig, match="volatile-lru"):
+            engine.check()

@@ -1,0 +1,129 @@
+"""The results and the interface of a hot store (the Redis side of the dedup layer).
+
+A store is a small set of primitives — claim, complete, release, lookup, the
+ledger index — so another backend can be added beside :class:`~idem.hotstore.RedisHotStore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class KeyStatus(StrEnum):
+    """The state of a key in the hot store."""
+
+    ABSENT = "ABSENT"
+    IN_PROGRESS = "IN_PROGRESS"
+    COMPLETED = "COMPLETED"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    """What Redis holds for one key (fields not meaningful for the status are ``None``)."""
+
+    status: KeyStatus
+    owner: str | None = None
+    lease_until_ms: int | None = None
+    attempt: int | None = None
+    fingerprint: str | None = None
+    completed_at_ms: int | None = None
+
+    def lease_expired(self, now_ms: int) -> bool:
+        """Whether an IN_PROGRESS claim's lease has run out at ``now_ms``."""
+        return self.lease_until_ms is not None and self.lease_until_ms <= now_ms
+
+
+ABSENT = KeyState(KeyStatus.ABSENT)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """How a claim went; every key given appears in exactly one of
+    ``claimed``, ``duplicates``, ``busy`` or ``stale``.
+    """
+
+    claimed: list[str]
+    """Keys this owner now holds (new, re-taken or taken over from an expired lease)."""
+    retaken: list[str]
+    """Subset of ``claimed`` this owner already held (a replay of the same batch)."""
+    duplicates: dict[str, str]
+    """COMPLETED keys and the payload fingerprint stored with them."""
+    busy: list[str]
+    """Keys another owner holds with a live lease."""
+    stale_buckets: frozenset[int]
+    """Buckets to catch up (or rebuild) before claiming ``stale`` again."""
+    stale: list[str] = field(default_factory=list)
+    """Keys not examined: their bucket's index is behind ``min_version`` or unknown."""
+    reclaimed: list[str] = field(default_factory=list)
+    """Subset of ``claimed`` taken over from an expired lease (attempt + 1)."""
+
+
+@dataclass(frozen=True)
+class CompleteResult:
+    """How a completion went."""
+
+    completed: int
+    """Keys that are COMPLETED now (written by this call, or already completed)."""
+    fenced: list[str]
+    """Keys left alone because another owner holds a live lease on them."""
+    watermark_advanced: bool
+    """Whether every bucket's watermark now covers the ledger version."""
+    lagging_buckets: frozenset[int] = frozenset()
+    """Buckets whose watermark did not reach the version (missing, behind, or fenced)."""
+
+
+class HotStore(Protocol):
+    """The primitives the dedup layer needs from a hot store."""
+
+    group: str
+    buckets: int
+
+    def check_eviction_policy(self) -> None:
+        """Refuse a store that may drop keys silently."""
+        ...
+
+    def claim(
+        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
+    ) -> ClaimResult:
+        """Claim keys for ``owner`` where the index has reached ``min_version``."""
+        ...
+
+    def complete(
+        self,
+        keys_by_bucket: Mapping[int, Sequence[str]],
+        owner: str,
+        fingerprints: Mapping[str, str],
+        *,
+        version: int,
+        completed_at_ms: int | None = None,
+    ) -> CompleteResult:
+        """Mark keys COMPLETED after ledger ``version`` and advance the watermarks."""
+        ...
+
+    def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:
+        """Give back ``owner``'s claims; return how many were released."""
+        ...
+
+    def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
+        """The stored state of each key."""
+        ...
+
+    def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
+        """Each bucket's indexed ledger version (``None``: unknown, rebuild needed)."""
+        ...
+
+    def index_completed(
+        self,
+        bucket: int,
+        keys: Sequence[str],
+        fingerprints: Sequence[str],
+        completed_at_ms: Sequence[int],
+        *,
+        to_version: int,
+        from_version: int | None,
+    ) -> bool:
+        """Load ledger keys as COMPLETED and move the watermark; return whether it moved."""
+        ...
