@@ -12,7 +12,6 @@ except the CRC-32 bucket of each key), so 10M keys take well under a minute.
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 import zlib
 from collections.abc import Sequence
@@ -218,11 +217,6 @@ def existing_keys(count: int, *, total: int, seed: int = 11) -> list[str]:
     numbers: Sequence[int] = rng.choice(total, size=count, replace=False).tolist()
     ids = [(n * _MULTIPLIER) % (1 << 40) for n in numbers]
     return [f"ORDER_{i}" for i in ids]
-
-
-def today_utc(now_ms: int) -> dt.date:
-    """The UTC date of ``now_ms``."""
-    return dt.datetime.fromtimestamp(now_ms / 1000, tz=dt.UTC).date()
 
 
 def batch_rows(keys: Sequence[str], *, buckets: int = 16, group: str = "bench") -> pa.Table:

@@ -102,7 +102,7 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
 
 
 def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int) -> None:
-    from _ledger_fixture import build_ledger, plain_merge_seconds
+    from _ledger_fixture import build_ledger, fresh_keys, plain_merge_seconds
 
     print(f"\n== Per-batch dedup of {n_keys:,} new keys against a ledger of N keys")
     print("   (catch-up check + claim + ledger commit + Redis complete; best of "
@@ -123,7 +123,8 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
             indexed = time.perf_counter() - started
             runs = []
             for round_ in range(repeat):
-                keys = [f"NEW_{round_}_{i}" for i in range(n_keys)]
+                # interleaved with the ledger's keys, so no file is skipped by key statistics
+                keys = fresh_keys(n_keys, round_=round_)
 
                 def batch(
                     keys: list[str] = keys, round_: int = round_, dd: Dedup = dd

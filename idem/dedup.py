@@ -227,13 +227,10 @@ class Dedup:
         self.stats.rebuilt_buckets += len(buckets)
         self.stats.rebuilt_keys += snapshot.keys.num_rows
         by_bucket = _split_by_bucket(snapshot.keys, buckets)
-        # An absent ledger is created empty as version 0 (the engine's CREATE TABLE) and
-        # gets its first keys at version 1, so "every version <= 0 is indexed" holds.
-        to_version = max(snapshot.version, 0)
         for bucket in buckets:
             keys, prints, ats = by_bucket.get(bucket, ([], [], []))
             self.hot.index_completed(
-                bucket, keys, prints, ats, to_version=to_version, from_version=None
+                bucket, keys, prints, ats, to_version=snapshot.version, from_version=None
             )
 
     def _load_missed(self, behind: Mapping[int, int]) -> None:

@@ -5,10 +5,10 @@ clause also requires ``t.completed_at >= match_since`` (and the matching
 ``completed_date`` partitions). delta-rs prunes the target by those
 target-only literal conjuncts, by partition values and by each file's
 ``completed_at`` statistics, so the MERGE reads only the files of recent
-batches. Measured (``bench/ledger_probe.py``, 2 cores, 100k new keys): 0.12 s
-into a 100k-key ledger, 0.135 s into 10M keys, against 8.6-16 s for the plain
-MERGE at 10M; each 100k keys already inside the horizon add ~0.1 s (delta-rs
-reads every column of the files it cannot skip). Concurrent MERGEs still
+batches. Measured (``bench/ledger_probe.py``, 2 cores, 100k new keys, median
+of 5): 0.12-0.15 s into a 100k-key ledger, 0.13-0.135 s into 10M keys, against
+7-16 s for the plain MERGE at 10M; each 100k keys already inside the horizon
+add ~0.05-0.15 s (delta-rs reads every column of the files it cannot skip). Concurrent MERGEs still
 conflict on the recent files they both read, so a key claimed twice around a
 Redis failover is inserted once.
 
@@ -20,15 +20,13 @@ versions and only the files they added.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, QueryBuilder, Transaction, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from tenacity import (
     RetryError,
@@ -40,14 +38,14 @@ from tenacity import (
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import LedgerConflict, LedgerError
-from idem.ledger import _log
+from idem.ledger import _log, _sql
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
     PARTITION_COLUMNS,
     conform,
     date_of_ms,
-    sql_timestamp,
+    first_per_key,
     to_index_rows,
 )
 
@@ -156,7 +154,7 @@ class DeltaLedger:
         if self._already_committed(app_id, txn_version):  # a replay costs ~1 ms
             return CommitResult(version=None, inserted=0, replayed=True, attempts=0)
         now = self._clock.now_ms()
-        source, batch_duplicates = _first_per_key(conform(rows, now_ms=now))
+        source, batch_duplicates = first_per_key(conform(rows, now_ms=now))
         since = match_since_ms
         if since is None and self._dedup_window_ms is not None:
             since = now - self._dedup_window_ms
@@ -201,12 +199,10 @@ class DeltaLedger:
                 return CommitResult(version=None, inserted=0, replayed=True)
             if source.num_rows == 0:
                 return CommitResult(version=None, inserted=0)
+            # The recency conjuncts touch only the target: delta-rs prunes by them.
             predicate = "t.bucket = s.bucket AND t.key = s.key"
             if since_ms is not None:
-                predicate += (
-                    f" AND t.completed_date >= '{date_of_ms(since_ms).isoformat()}'"
-                    f" AND t.completed_at >= {sql_timestamp(since_ms)}"
-                )
+                predicate += " AND " + _sql.recent(since_ms, alias="t")
             before = table.version()
             metrics = (
                 table.merge(
@@ -330,21 +326,12 @@ class DeltaLedger:
         """Rows completed at or after ``since_ms``, reading only those days' partitions.
 
         ``buckets`` restricts the read to those bucket partitions. The result
-        says which table version it read.
+        says which table version it read (``-1``: no table yet).
         """
-        where = [
-            f"completed_date >= '{date_of_ms(since_ms).isoformat()}'",
-            f"completed_at >= {sql_timestamp(since_ms)}",
-        ]
-        if buckets is not None:
-            wanted = sorted({int(b) for b in buckets})
-            if not wanted:
-                return LedgerWindow(self.version(), since_ms, INDEX_SCHEMA.empty_table())
-            where.append(f"bucket IN ({', '.join(map(str, wanted))})")
-        # Every interpolated value is a date, timestamp or int formatted here.
-        conditions = " AND ".join(where)
-        sql = f"SELECT bucket, key, fingerprint, completed_at FROM ledger WHERE {conditions}"  # noqa: S608
-        version, table = self._query(sql)
+        wanted = None if buckets is None else sorted({int(b) for b in buckets})
+        if wanted == []:
+            return LedgerWindow(self.version(), since_ms, INDEX_SCHEMA.empty_table())
+        version, table = self._query(_sql.window_sql(since_ms, wanted))
         if table is None:
             return LedgerWindow(-1, since_ms, INDEX_SCHEMA.empty_table())
         return LedgerWindow(version, since_ms, to_index_rows(table))
@@ -352,9 +339,8 @@ class DeltaLedger:
     def existing(self, keys: Iterable[str], *, since_ms: int | None) -> dict[str, str]:
         """``key -> fingerprint`` of the keys the ledger holds (completed since ``since_ms``).
 
-        A DataFusion join against a temporary probe table, not an ``IN`` list
-        (100k literals crash deltalake 1.6.6). A key held twice answers with
-        its earliest row.
+        A DataFusion join against a temporary probe table, never an ``IN``
+        list. A key held twice answers with its earliest row.
         """
         found = self._probe(keys, since_ms, "fingerprint")
         return {key: value or "" for key, value in found.items()}
@@ -371,78 +357,33 @@ class DeltaLedger:
         wanted = pa.array(sorted(set(keys)), pa.string())
         if len(wanted) == 0:
             return {}
-        where = ""
-        if since_ms is not None:
-            where = (
-                f" WHERE l.completed_date >= '{date_of_ms(since_ms).isoformat()}'"
-                f" AND l.completed_at >= {sql_timestamp(since_ms)}"
-            )
-        # Keys travel in the probe table, never in SQL text.
-        sql = (
-            f"SELECT l.key, l.{column} AS value, l.completed_at FROM ledger l "  # noqa: S608
-            f"JOIN probe p ON l.key = p.key{where}"
-        )
-        directory = tempfile.mkdtemp(prefix="idem-probe-")
         try:
-            write_deltalake(directory, pa.table({"key": wanted}))
-            probe = DeltaTable(directory)
-            _, table = self._query(sql, probe=probe)
+            with _sql.probe_table(wanted) as probe:
+                _, rows = self._query(_sql.probe_sql(column, since_ms), probe=probe)
         except DeltaError as exc:
             raise LedgerError(f"ledger {self._uri}: key lookup failed: {exc}") from exc
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        if table is None or table.num_rows == 0:
-            return {}
-        table = table.sort_by([("completed_at", "descending")])
-        # Later assignments win: iterate newest first so the earliest row stays.
-        return dict(
-            zip(
-                table.column("key").cast(pa.string()).to_pylist(),
-                table.column("value").cast(pa.string()).to_pylist(),
-                strict=True,
-            )
-        )
+        return {} if rows is None else _sql.earliest_by_key(rows)
 
     def audit(self, *, since_ms: int | None = None) -> list[tuple[str, int]]:
         """Keys present more than once (a narrow failover hole, or matches outside the window)."""
-        where = ""
-        if since_ms is not None:
-            where = (
-                f" WHERE completed_date >= '{date_of_ms(since_ms).isoformat()}'"
-                f" AND completed_at >= {sql_timestamp(since_ms)}"
-            )
-        sql = (
-            f"SELECT key, count(*) AS n FROM ledger{where} "  # noqa: S608
-            "GROUP BY bucket, key HAVING count(*) > 1"
-        )
-        _, table = self._query(sql)
-        if table is None:
+        _, rows = self._query(_sql.audit_sql(since_ms))
+        if rows is None:
             return []
-        pairs = zip(
-            table.column("key").cast(pa.string()).to_pylist(),
-            table.column("n").cast(pa.int64()).to_pylist(),
-            strict=True,
-        )
-        return sorted((str(k), int(n)) for k, n in pairs)
+        pairs = zip(rows.column("key").to_pylist(), rows.column("n").to_pylist(), strict=True)
+        return sorted((str(key), int(count)) for key, count in pairs)
 
     def _query(self, sql: str, *, probe: DeltaTable | None = None) -> tuple[int, pa.Table | None]:
-        """Run ``sql`` over the current snapshot registered as ``ledger``.
-
-        Returns the version read and the rows, or ``(-1, None)`` without a table.
-        """
+        """Run ``sql`` over the current snapshot; ``(version read, rows)``, ``(-1, None)``
+        without a table."""
         try:
             with self._table_lock:
                 table = self._latest()
                 if table is None:
                     return -1, None
                 version = table.version()
-                builder = QueryBuilder().register("ledger", table)
-                if probe is not None:
-                    builder.register("probe", probe)
-            result = pa.table(builder.execute(sql).read_all())
+            return version, _sql.run(table, sql, probe=probe)
         except Exception as exc:  # DataFusion errors surface as plain Exception
             raise LedgerError(f"ledger {self._uri}: query failed: {exc}") from exc
-        return version, _plain_strings(result)
 
     # -- maintenance ---------------------------------------------------------------
 
@@ -564,36 +505,10 @@ class DeltaLedger:
             raise LedgerError(f"ledger {self._uri}: {what} failed: {exc}") from exc
 
 
-def _first_per_key(rows: pa.Table) -> tuple[pa.Table, list[str]]:
-    """The first row of each ``(bucket, key)``, and the keys that repeated."""
-    if rows.num_rows < 2:
-        return rows, []
-    keyed = rows.select(["bucket", "key"]).append_column(
-        "__row", pa.array(range(rows.num_rows), pa.int64())
-    )
-    firsts = keyed.group_by(["bucket", "key"], use_threads=False).aggregate([("__row", "min")])
-    if firsts.num_rows == rows.num_rows:
-        return rows, []
-    keep = pc.sort_indices(firsts.column("__row_min"))
-    indices = pc.take(firsts.column("__row_min"), keep)
-    mask = pc.invert(pc.is_in(keyed.column("__row"), value_set=indices.combine_chunks()))
-    repeated = keyed.column("key").filter(mask).to_pylist()
-    return rows.take(indices), list(dict.fromkeys(repeated))
-
-
 def _same_columns(schema: pa.Schema, table: DeltaTable) -> bool:
     """Whether the rows bring no column the table lacks (else the MERGE evolves the schema)."""
     known = {field.name for field in table.schema().fields}
     return all(name in known for name in schema.names)
-
-
-def _plain_strings(table: pa.Table) -> pa.Table:
-    """DataFusion answers ``string_view``; the rest of idem speaks ``string``."""
-    fields = [
-        pa.field(f.name, pa.string(), f.nullable) if pa.types.is_string_view(f.type) else f
-        for f in table.schema
-    ]
-    return table.cast(pa.schema(fields))
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -177,3 +177,20 @@ def to_index_rows(table: pa.Table) -> pa.Table:
         ],
         schema=INDEX_SCHEMA,
     )
+
+
+def first_per_key(rows: pa.Table) -> tuple[pa.Table, list[str]]:
+    """The first row of each ``(bucket, key)``, and the keys that repeated."""
+    if rows.num_rows < 2:
+        return rows, []
+    keyed = rows.select(["bucket", "key"]).append_column(
+        "__row", pa.array(range(rows.num_rows), pa.int64())
+    )
+    firsts = keyed.group_by(["bucket", "key"], use_threads=False).aggregate([("__row", "min")])
+    if firsts.num_rows == rows.num_rows:
+        return rows, []
+    keep = pc.sort_indices(firsts.column("__row_min"))
+    indices = pc.take(firsts.column("__row_min"), keep)
+    mask = pc.invert(pc.is_in(keyed.column("__row"), value_set=indices.combine_chunks()))
+    repeated = keyed.column("key").filter(mask).to_pylist()
+    return rows.take(indices), list(dict.fromkeys(repeated))

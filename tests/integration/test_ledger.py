@@ -18,7 +18,9 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
-from idem.clock import ManualClock
+from idem.cli import main as cli_main
+from idem.clock import SYSTEM_CLOCK, ManualClock
+from idem.config import IdemConfig
 from idem.keys import bucket_of
 from idem.ledger import DeltaLedger, Ledger, conform, make_rows, spark_delta_session
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
@@ -405,3 +407,22 @@ def test_the_object_store_log_reader_reads_like_the_local_one(
         with pytest.raises(FileNotFoundError):
             store.read_bytes(commit_name(1))
     assert sorted(local.list_log()) == sorted(remote.list_log())
+
+
+def test_the_cli_audits_expires_and_refuses_to_cut_into_the_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = IdemConfig(group="orders", data_dir=str(tmp_path))
+    ledger = DeltaLedger(config.resolved_ledger_path)
+    wall = ManualClock(SYSTEM_CLOCK.now_ms())  # the CLI runs on wall time
+    commit(ledger, ["A"], wall, app="a")
+    wall.advance(3600)
+    commit(ledger, ["A", "B"], wall, app="b")  # A again an hour later, outside the horizon
+    common = ["--group", "orders", "--data-dir", str(tmp_path)]
+
+    assert cli_main(["ledger", "audit", *common]) == 1
+    assert '{"key": "A", "count": 2}' in capsys.readouterr().out
+    assert cli_main(["ledger", "expire", "--older-than", "1d", *common]) == 1  # refused
+    assert "inside the dedup window" in capsys.readouterr().err
+    assert cli_main(["ledger", "expire", "--older-than", "30d", *common]) == 0
+    assert '"deleted_rows": 0' in capsys.readouterr().out

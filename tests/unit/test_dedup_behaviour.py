@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import redis
-from deltalake import DeltaTable
+from deltalake import DeltaTable, QueryBuilder
 
 from idem.clock import ManualClock
 from idem.config import IdemConfig
@@ -89,7 +89,8 @@ def test_metadata_and_payload_columns_land_in_the_ledger(
     claim = dd.begin(["A", "B"], owner="q:0")
     meta = pa.table({"msg_id": ["m1", "m2"], "topic": ["orders", "orders"], "queue_offset": [5, 6]})
     dd.complete(claim, batch_id=3, meta=meta)
-    table = DeltaTable(dd.config.resolved_ledger_path).to_pyarrow_table().sort_by("key")
+    query = QueryBuilder().register("ledger", DeltaTable(dd.config.resolved_ledger_path))
+    table = query.execute("SELECT * FROM ledger ORDER BY key").read_all()
     assert table.column("msg_id").to_pylist() == ["m1", "m2"]
     assert table.column("queue_offset").to_pylist() == [5, 6]
     assert table.column("batch_id").to_pylist() == [3, 3]

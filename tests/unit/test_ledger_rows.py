@@ -15,8 +15,7 @@ from idem.config import IdemConfig
 from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import LEDGER_SCHEMA, DeltaLedger, conform, make_rows, open_ledger
 from idem.ledger._log import parse_commit
-from idem.ledger.deltars import _first_per_key
-from idem.ledger.schema import date_of_ms
+from idem.ledger.schema import date_of_ms, first_per_key
 
 pytestmark = pytest.mark.unit
 
@@ -78,7 +77,7 @@ def test_repeated_keys_in_one_batch_keep_the_first_row() -> None:
         buckets=[1, 2, 1, 3, 2],
         fingerprints=["a1", "b1", "a2", "c1", "b2"],
     )
-    kept, repeated = _first_per_key(conform(rows, now_ms=NOON))
+    kept, repeated = first_per_key(conform(rows, now_ms=NOON))
     assert kept.column("key").to_pylist() == ["A", "B", "C"]
     assert kept.column("fingerprint").to_pylist() == ["a1", "b1", "c1"]
     assert repeated == ["A", "B"]
