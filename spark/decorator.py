@@ -199,7 +199,11 @@ class ExactlyOnce:
     ) -> BatchOutcome:
         if run.size == 0:
             return run.outcome(clock.laps)
-        run.claim()
+        claim = run.claim()
+        if claim.retaken and self.fn is not None:
+            # Counted before the function runs, so a crash inside it cannot hide a repeat.
+            # (Without a function the Delta sink's commit is the write: nothing repeats.)
+            self.stats.add("possible_repeats", len(claim.retaken))
         if replay:
             run.count_own_commits()
         clock.lap("claim")
@@ -375,7 +379,7 @@ def exactly_once(
     ``idempotency_column`` adds a column ``<group>:<key>`` to the rows the
     function gets — the same value whenever a row could reach it twice.
     """
-    resolved = _resolve_config(group, config)
+    resolved = resolve_config(group, config)
 
     def wrap(fn: SinkFunction) -> ExactlyOnce:
         return ExactlyOnce(
@@ -393,7 +397,8 @@ def exactly_once(
     return wrap
 
 
-def _resolve_config(group: str | None, config: IdemConfig | None) -> IdemConfig:
+def resolve_config(group: str | None, config: IdemConfig | None) -> IdemConfig:
+    """``config`` with ``group`` applied, or one from ``IDEM_*`` variables."""
     if config is None:
         return IdemConfig.from_env(group=group) if group else IdemConfig.from_env()
     if group is not None and group != config.group:

@@ -152,13 +152,14 @@ def run_demo(
     orders: int = 600,
     files: int = 6,
     crash_after_batch: int | None = 2,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> DemoResult:
     """Run the demo in ``workdir`` (default: a new temporary directory) and print the report.
 
     ``crash_after_batch`` stages a driver failure after that batch's commit (before
     Spark's commit log): the query is restarted and Spark replays the batch.
     """
+    out = out or sys.stdout
     started = time.monotonic()
     root = Path(workdir or tempfile.mkdtemp(prefix="idem-demo-"))
     with embedded_redis() as redis_info:

@@ -205,18 +205,19 @@ def describe(letter: DeadLetter) -> dict[str, Any]:
 
 
 def progress_bar(
-    stream: TextIO = sys.stderr, *, width: int = 30, min_total: int = 100
+    stream: TextIO | None = None, *, width: int = 30, min_total: int = 100
 ) -> Callable[[int, int], None]:
-    """A text progress bar for replays of at least ``min_total`` letters."""
+    """A text progress bar (stderr by default) for replays of at least ``min_total`` letters."""
 
     def show(done: int, total: int) -> None:
         if total < min_total:
             return
+        out = stream or sys.stderr
         filled = width * done // max(total, 1)
-        stream.write(f"\rreplaying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        out.write(f"\rreplaying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
         if done >= total:
-            stream.write("\n")
-        stream.flush()
+            out.write("\n")
+        out.flush()
 
     return show
 

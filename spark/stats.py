@@ -48,7 +48,8 @@ class BatchStats:
     dead: int = 0
     """Rows routed to ``%DLQ%<group>`` by this batch."""
     retaken: int = 0
-    """Claims this batch's owner held already: a replay; the sink may see these rows again."""
+    """Claims this batch's owner held already: a replay; the sink may see these rows again
+    (added to ``possible_repeats`` when claimed, not here)."""
 
     def once_counters(self) -> dict[str, int]:
         """Counters that belong to the batch (added once however often it is replayed)."""
@@ -68,8 +69,8 @@ class BatchStats:
         return {name: n for name, n in out.items() if n}
 
     def attempt_counters(self) -> dict[str, int]:
-        """Counters of this attempt (a replay adds them again)."""
-        return {"possible_repeats": self.retaken} if self.retaken else {}
+        """Counters a replay adds again; none: repeats are counted before the sink runs."""
+        return {}
 
 
 @dataclass(frozen=True, slots=True)

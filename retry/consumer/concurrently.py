@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -233,6 +233,8 @@ class ConsumeTimeoutWatchdog:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.looks = 0
+        self.lateness_ms: deque[int] = deque(maxlen=100_000)
+        """How long after its deadline each expired message was found (ms)."""
 
     def poke(self) -> None:
         """Look again now (a consume started, or the timeout changed)."""
@@ -265,6 +267,10 @@ class ConsumeTimeoutWatchdog:
         self.looks += 1
         for mq, pq in self.service.watched():
             due = pq.expired(now, timeout)
+            for message in due:
+                started = pq.consume_started_ms(message)
+                if started is not None:
+                    self.lateness_ms.append(now - started - timeout)
             if due:
                 try:
                     self.service.expire(mq, pq, due)

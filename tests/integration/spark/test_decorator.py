@@ -21,6 +21,7 @@ from idem.config import MismatchPolicy
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, exactly_once
+from idem.spark.delta_sink import delta_sink
 from idem.spark.faults import CrashPlan, CrashPoint, SimulatedCrash
 from idem.spark.retry_source import retry_stream
 
@@ -62,10 +63,8 @@ def test_only_fresh_rows_reach_the_delta_sink_table_which_is_its_own_ledger(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     config = config_for(tmp_path, redis_server.url, "decorated")
-    sink = ExactlyOnce(
-        None, config=config, key="order_id", client=real_redis,
-        sink_table=str(tmp_path / "orders"), query_id="q1",
-    )  # fmt: skip
+    sink = delta_sink(str(tmp_path / "orders"), key="order_id", config=config, client=real_redis)
+    sink.query_id = "q1"
     first = sink.process(_df(spark, "A", "B", "A"), 0)
     second = sink.process(_df(spark, "B", "C"), 1)
 

@@ -1,0 +1,144 @@
+"""Orderly consumption: per-queue order at the sink survives a suspended, retried message.
+
+Two instances share a 4-queue topic; each order's steps go to one queue
+(``select_message_queue_by_hash``). One step fails twice
+(``SUSPEND_CURRENT_QUEUE_A_MOMENT``): its queue pauses, the step is retried in
+place and nothing behind it runs meanwhile. A poison step fails every time and
+goes to ``%DLQ%<group>`` after ``max_reconsume_times`` local retries; its queue
+then moves on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry.consumer import (
+    ConsumeFromWhere,
+    ConsumerSettings,
+    Producer,
+    PushConsumer,
+    QueueLocks,
+    TopicStore,
+    new_message,
+    select_message_queue_by_hash,
+)
+from idem.retry.message import MessageExt
+from idem.retry.status import ConsumeOrderlyContext, ConsumeOrderlyStatus
+
+pytestmark = pytest.mark.integration
+
+ORDERS, STEPS = 8, 5
+FLAKY, FLAKY_FAILURES = "O3-2", 2
+POISON = "O5-1"
+SUSPEND_MS = 200
+
+
+def eventually(check: Callable[[], object], timeout: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return value
+
+
+class OrderSink:
+    """Writes steps in the order the listener sees them; fails the flaky and poison steps."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, object]] = []
+        self.attempts: dict[str, list[float]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def listener(self, name: str) -> Callable[[Sequence[MessageExt], ConsumeOrderlyContext],
+                                              ConsumeOrderlyStatus]:
+        def consume(messages: Sequence[MessageExt],
+                    context: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+            for message in messages:
+                key = message.keys or ""
+                with self._lock:
+                    self.attempts[key].append(time.monotonic())
+                    tries = len(self.attempts[key])
+                if key == POISON or (key == FLAKY and tries <= FLAKY_FAILURES):
+                    return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+                with self._lock:
+                    self.rows.append({"key": key, "queue": message.queue_id,
+                                      "offset": message.queue_offset, "by": name,
+                                      "reconsume": message.reconsume_times})
+            return ConsumeOrderlyStatus.SUCCESS
+        return consume
+
+
+def test_order_kept_across_a_suspended_message(real_redis: redis.Redis,
+                                               redis_server: RedisServer,
+                                               tmp_path: Path) -> None:
+    group = f"o-{uuid.uuid4().hex[:8]}"
+    config = IdemConfig(group=group, redis_url=redis_server.url, data_dir=str(tmp_path),
+                        max_reconsume_times=3)
+    TopicStore(real_redis).create_topic("orders", 4)
+    settings = ConsumerSettings(
+        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
+        heartbeat_interval_ms=100, heartbeat_expire_ms=1000, rebalance_interval_ms=500,
+        lock_interval_ms=200, persist_consumer_offset_interval_ms=200,
+        suspend_current_queue_time_millis=SUSPEND_MS, consume_thread_nums=4,
+    )
+    sink = OrderSink()
+    consumers = []
+    for name in ("a", "b"):
+        consumer = PushConsumer(config, settings=settings, client=redis_server.client(),
+                                instance_name=name)
+        consumer.subscribe("orders")
+        consumer.register_message_listener_orderly(sink.listener(name))
+        consumers.append(consumer.start())
+    try:
+        locks = QueueLocks(real_redis, group, "observer", ttl_ms=1000)
+        mqs = TopicStore(real_redis).message_queues("orders")
+        # both instances in, each queue locked by exactly one of them
+        eventually(lambda: all(len(c.process_queues()) == 2 for c in consumers))
+        holders = {mq: locks.holder(mq) for mq in mqs}
+        assert set(holders.values()) == {c.client_id for c in consumers}
+
+        producer = Producer("p", client=real_redis)
+        for step in range(STEPS):
+            for order in range(ORDERS):
+                producer.send(new_message("orders", b"{}", keys=f"O{order}-{step}"),
+                              selector=select_message_queue_by_hash, arg=f"O{order}")
+        expected = {f"O{o}-{s}" for o in range(ORDERS) for s in range(STEPS)} - {POISON}
+        eventually(lambda: {r["key"] for r in sink.rows} == expected)
+        dlq = consumers[0].engine.dlq if consumers[0].engine else None
+        assert dlq is not None
+        eventually(lambda: dlq.count() == 1)
+    finally:
+        for consumer in consumers:
+            consumer.shutdown()
+
+    by_queue: dict[object, list[dict[str, object]]] = defaultdict(list)
+    for row in sink.rows:
+        by_queue[row["queue"]].append(row)
+    for queue, rows in by_queue.items():
+        offsets = [int(str(r["offset"])) for r in rows]
+        assert offsets == sorted(offsets), f"queue {queue} written out of order: {offsets}"
+        assert len({r["by"] for r in rows}) == 1, "one instance per queue"
+    for order in range(ORDERS):
+        steps = [int(str(r["key"]).split("-")[1]) for r in sink.rows
+                 if str(r["key"]).startswith(f"O{order}-")]
+        assert steps == sorted(steps), f"order O{order} out of order: {steps}"
+    assert len(sink.rows) == len(expected)  # nothing written twice
+
+    flaky = next(r for r in sink.rows if r["key"] == FLAKY)
+    assert flaky["reconsume"] == FLAKY_FAILURES
+    tries = sink.attempts[FLAKY]
+    assert all(b - a >= SUSPEND_MS / 1000 * 0.9 for a, b in zip(tries, tries[1:], strict=False))
+    letter = dlq.list()[0]
+    assert letter.key == POISON
+    assert letter.reconsume_times == 3
+    assert len(sink.attempts[POISON]) == 4  # first try + 3 local retries

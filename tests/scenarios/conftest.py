@@ -1,0 +1,28 @@
+"""Fixtures of the redelivery scenarios: a group per run, on the shared real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from harness import Group
+
+from idem.redis_server import RedisServer
+
+
+@pytest.fixture(params=[False, True], ids=["without-dedup", "with-dedup"])
+def dedup(request: pytest.FixtureRequest) -> bool:
+    """Each scenario runs twice: without idem's dedup hook, then with it."""
+    return bool(request.param)
+
+
+@pytest.fixture
+def group(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path,
+          dedup: bool) -> Iterator[Group]:
+    """A fresh consumer group with a 4-queue topic on the shared redis-server."""
+    g = Group(redis_server.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
+    yield g
+    g.close()

@@ -1,0 +1,41 @@
+"""C8: the pull offset is reset to the server's lower offset (seed 004).
+
+The group's offsets are moved back on the server (``resetOffsetByTime`` to the
+start of the second phase) while the consumer runs; the server tells the
+running instance (RocketMQ's ``RESET_CONSUMER_CLIENT_OFFSET``), which drops its
+queues and pulls again from the server's lower offsets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from harness import TOPIC, Group, eventually, keys
+
+from idem.retry.consumer import reset_offset_by_time
+
+pytestmark = pytest.mark.scenarios
+
+
+def test_c8_offset_reset_backwards(group: Group) -> None:
+    first = group.produce(keys("C8-A", 8))
+    group.consumer("c")
+    eventually(lambda: group.caught_up(), what="the first phase consumed")
+    time.sleep(0.01)
+    second_started_ms = int(time.time() * 1000)
+    second = group.produce(keys("C8-B", 8))
+    eventually(lambda: group.settled(first + second), what="the second phase consumed")
+
+    moved = reset_offset_by_time(group.client, group.name, TOPIC, second_started_ms)
+    assert sum(moved.values()) == 8  # every queue back to the start of the second phase
+
+    wanted = first + second
+    if not group.dedup:
+        eventually(lambda: set(group.sink.duplicates()) == set(second),
+                   what="the second phase written again")
+        return
+    eventually(lambda: group.settled(wanted)
+               and group.duplicates_by_cause()["completed"] == len(second),
+               what="the second phase redelivered and absorbed")
+    group.assert_exactly_once(wanted)
