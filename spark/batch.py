@@ -113,6 +113,7 @@ class BatchRun:
         retry: RetryEngine,
         clock: Clock,
         fingerprint_column: str | None = None,
+        msg_id_column: str | None = None,
     ) -> None:
         self.table = table
         self.batch_id = batch_id
@@ -133,6 +134,7 @@ class BatchRun:
             else None
         )
         self.previous = _previous_messages(table)
+        self.msg_ids = self._msg_ids(msg_id_column)
         self.claim_result: BatchClaim | None = None
         self.commit_result: CommitOutcome | None = None
         self._applied: list[int] = []
@@ -141,6 +143,20 @@ class BatchRun:
         self._levels: Counter[int] = Counter()
         self._dead = 0
         self._slipped: tuple[str, ...] = ()
+
+    def _msg_ids(self, column: str | None) -> list[str]:
+        """Each row's message id: retried rows keep theirs; main rows take ``column``'s value.
+
+        Without a value a row gets a stable id from its batch and position.
+        """
+        prefix = msg_id_prefix(self.owner)
+        given = self.table.column(column).to_pylist() if column else [None] * self.size
+        ids = [
+            str(value) if value else f"{prefix}{i:08X}" for i, value in enumerate(given)
+        ]
+        for i, prev in self.previous.items():
+            ids[i] = prev.msg_id
+        return ids
 
     # -- step 1-2 ------------------------------------------------------------------------------
 
@@ -298,17 +314,14 @@ class BatchRun:
 
     def _meta(self) -> pa.Table:
         """Where each row came from, aligned with the batch (for the ledger rows)."""
-        prefix = msg_id_prefix(self.owner)
-        msg_ids = [f"{prefix}{i:08X}" for i in range(self.size)]
-        origins = list(msg_ids)
+        origins = list(self.msg_ids)
         topics = [self.topic] * self.size
         for i, prev in self.previous.items():
-            msg_ids[i] = prev.msg_id
             origins[i] = prev.origin_msg_id
             topics[i] = prev.retry_topic_origin
         return pa.table(
             {
-                "msg_id": pa.array(msg_ids, pa.string()),
+                "msg_id": pa.array(self.msg_ids, pa.string()),
                 "origin_msg_id": pa.array(origins, pa.string()),
                 "topic": pa.array(topics, pa.string()),
             }
@@ -342,7 +355,7 @@ class BatchRun:
         messages = [
             message_for_row(
                 topic=self.topic,
-                owner=self.owner,
+                msg_id=self.msg_ids[i],
                 index=i,
                 key=self.keys_normalised[i] or _raw_key(self.keys[i]),
                 body=body,

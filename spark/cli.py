@@ -113,6 +113,7 @@ def _run(args: argparse.Namespace) -> int:
         max_files_per_trigger=args.max_files_per_trigger,
         trigger_seconds=args.trigger_seconds,
         topic=args.topic,
+        msg_id_field=args.msg_id_field,
         timeout_seconds=args.timeout,
     )
     pipeline = Pipeline(local_session(f"idem-run-{config.group}"), config, spec, client=client)
@@ -275,6 +276,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--max-files-per-trigger", type=int, help="files per micro-batch")
     run.add_argument("--trigger-seconds", type=float, default=1.0, help="micro-batch interval")
     run.add_argument("--topic", default="files", help="topic name recorded for these messages")
+    run.add_argument(
+        "--msg-id-field",
+        help="field with the source's message id (default: derived from key and payload)",
+    )
     run.add_argument("--timeout", type=float, help="stop after this many seconds (continuous)")
     run.add_argument("--report-json", help="also write the report as JSON to this file")
     run.add_argument(

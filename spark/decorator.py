@@ -47,7 +47,7 @@ from idem.retry.engine import RetryEngine
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.batch import BatchOutcome, BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
-from idem.spark.messages import DEFAULT_TOPIC, MESSAGE_COLUMN, RETRY_COLUMNS
+from idem.spark.messages import DEFAULT_TOPIC, MESSAGE_COLUMN, MSG_ID_COLUMN, RETRY_COLUMNS
 from idem.spark.rows import RowCodec
 from idem.spark.stats import StatsStore
 
@@ -85,6 +85,7 @@ class ExactlyOnce:
         topic: str = DEFAULT_TOPIC,
         idempotency_column: str | None = None,
         fingerprint: bool = True,
+        msg_id: str | None = None,
         query_id: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
         crash_plan: CrashPlan | None = None,
@@ -100,6 +101,7 @@ class ExactlyOnce:
         self.topic = topic
         self.idempotency_column = idempotency_column
         self.fingerprint = fingerprint
+        self.msg_id = msg_id
         self.query_id = query_id
         self.clock = clock
         self.crash_plan = crash_plan
@@ -165,10 +167,19 @@ class ExactlyOnce:
             )
         payload_columns = [c for c in columns if c not in RETRY_COLUMNS]
         codec = RowCodec(batch_df.select(*[f"`{c}`" for c in payload_columns]).schema)
+        if self.msg_id is not None and self.msg_id not in columns:
+            raise ConfigError(f"msg_id: the batch has no column {self.msg_id!r}")
         if self.fingerprint:
             batch_df = batch_df.withColumn(
                 FINGERPRINT_COLUMN, fingerprint_column(batch_df, payload_columns)
             )
+        if self.msg_id is not None:
+            batch_df = batch_df.withColumn(MSG_ID_COLUMN, F.col(f"`{self.msg_id}`").cast("string"))
+        elif self.fingerprint:
+            # A redelivered copy of a row (same key, same payload) is the same message.
+            identity = F.concat_ws("\u0000", F.col(f"`{self.key}`").cast("string"),
+                                   F.col(FINGERPRINT_COLUMN))
+            batch_df = batch_df.withColumn(MSG_ID_COLUMN, F.upper(F.md5(identity)))
         table = batch_df.toArrow()
         clock.lap("arrow")
         run = BatchRun(
@@ -183,6 +194,7 @@ class ExactlyOnce:
             retry=self.retry,
             clock=self.clock,
             fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
+            msg_id_column=MSG_ID_COLUMN if MSG_ID_COLUMN in table.column_names else None,
         )
         outcome = self._run(run, batch_df, clock, replay=attempt > 1)
         self.last_outcome = outcome
@@ -371,6 +383,7 @@ def exactly_once(
     topic: str = DEFAULT_TOPIC,
     idempotency_column: str | None = None,
     fingerprint: bool = True,
+    msg_id: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> Callable[[SinkFunction], ExactlyOnce]:
     """Decorate a ``foreachBatch`` function so it sees every business key once.
@@ -378,6 +391,10 @@ def exactly_once(
     ``group`` or ``config`` (or ``IDEM_*`` variables) name the consumer group.
     ``idempotency_column`` adds a column ``<group>:<key>`` to the rows the
     function gets — the same value whenever a row could reach it twice.
+    ``msg_id`` names a column holding the source's message id (a producer's
+    resend and a redelivery carry the same one); without it a row's id is
+    derived from its key and payload. Copies of one message share one retry
+    chain and at most one DLQ row.
     """
     resolved = resolve_config(group, config)
 
@@ -391,6 +408,7 @@ def exactly_once(
             topic=topic,
             idempotency_column=idempotency_column,
             fingerprint=fingerprint,
+            msg_id=msg_id,
             clock=clock,
         )
 

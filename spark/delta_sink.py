@@ -33,13 +33,15 @@ def delta_sink(
     validate: SinkFunction | None = None,
     topic: str = DEFAULT_TOPIC,
     fingerprint: bool = True,
+    msg_id: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> ExactlyOnce:
     """A ``foreachBatch`` function writing each key's row once into the Delta table at ``path``.
 
     ``validate`` (optional) gets the fresh rows first, like an ``@exactly_once``
     function, and may return the keys that failed: those are retried on the
-    delay ladder instead of written.
+    delay ladder instead of written. ``msg_id`` names the column with the
+    source's message id (see :func:`~idem.spark.decorator.exactly_once`).
     """
     return ExactlyOnce(
         validate,
@@ -49,5 +51,6 @@ def delta_sink(
         sink_table=path,
         topic=topic,
         fingerprint=fingerprint,
+        msg_id=msg_id,
         clock=clock,
     )

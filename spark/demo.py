@@ -190,6 +190,7 @@ def run_demo(
             available_now=True,
             max_files_per_trigger=1,
             topic="orders",
+            msg_id_field="mq_msg_id",
         )
         print(
             f"idem demo: delay levels {delay_levels!r}, max_reconsume_times "

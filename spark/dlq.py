@@ -24,6 +24,7 @@ from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.spark.messages import SCHEMA_PROPERTY
 from idem.spark.rows import RowCodec
+from idem.spark.stats import StatsStore
 
 REPLAYED_BY_PROPERTY = "IDEM_REPLAYED_BY"
 """Message property: ``user@host`` that replayed the dead letter."""
@@ -140,6 +141,9 @@ def replay(
                 f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
             )
         marked += engine.dlq.mark_replayed(chunk, at_ms=now)
+        StatsStore(
+            engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms
+        ).add("dlq_replayed", len(chunk))
         if progress is not None:
             progress(min(start + len(chunk), total), total)
     return ReplayResult(

@@ -31,6 +31,9 @@ SCHEMA_PROPERTY: Final = "IDEM_SCHEMA"
 KEY_FIELD_PROPERTY: Final = "IDEM_KEY_FIELD"
 """Message property naming the column the business key came from."""
 
+MSG_ID_COLUMN: Final = "_idem_msg_id"
+"""Column the decorator adds: the message id of each main-stream row."""
+
 DEFAULT_TOPIC: Final = "spark"
 """Topic of messages made from main-stream rows when the job names none."""
 
@@ -40,15 +43,10 @@ def msg_id_prefix(owner: str) -> str:
     return hashlib.blake2b(owner.encode(), digest_size=12).hexdigest().upper()
 
 
-def row_msg_id(owner: str, index: int, prefix: str | None = None) -> str:
-    """A stable 32-hex msg id for row ``index`` of the batch ``owner`` (same on a Spark replay)."""
-    return f"{prefix or msg_id_prefix(owner)}{index:08X}"
-
-
 def message_for_row(
     *,
     topic: str,
-    owner: str,
+    msg_id: str,
     index: int,
     key: str | None,
     body: bytes,
@@ -61,13 +59,15 @@ def message_for_row(
 
     ``previous`` is the message the row arrived as (a retried row): it is kept
     as it is, so its history and ``ORIGIN_MESSAGE_ID`` survive. A main-stream
-    row becomes a new message with a stable id.
+    row becomes a message with ``msg_id`` (see :mod:`idem.spark.batch`: the
+    source's message id, or one derived from the row's key and payload, so a
+    redelivered copy is the same message and joins the same retry chain).
     """
     if previous is not None:
         return previous
     return MessageExt(
         topic=topic,
-        msg_id=row_msg_id(owner, index),
+        msg_id=msg_id,
         body=body,
         keys=key,
         queue_id=0,

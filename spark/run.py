@@ -15,12 +15,15 @@ import importlib.util
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
 
 import redis
 from deltalake import DeltaTable
@@ -42,6 +45,15 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming.query import StreamingQuery
 
 log = logging.getLogger(__name__)
+
+AVAILABLE_NOW_TRIGGER_S = 0.5
+"""Trigger interval while ``available_now`` drains the sources and the retries."""
+
+STALL_S = 30.0
+"""How long ``available_now`` waits on retries that are pending but neither due nor moving."""
+
+_WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
+"""Spark's status messages of a query that has nothing to do."""
 
 SCHEMA_FILE = "idem-schema.json"
 """Where the checkpoint keeps the schema of the source files (so restarts agree)."""
@@ -66,6 +78,8 @@ class RunSpec:
     max_files_per_trigger: int | None = None
     trigger_seconds: float = 1.0
     topic: str = "files"
+    msg_id_field: str | None = None
+    """Field holding the source's message id (copies of one message share it)."""
     idempotency_column: str = "idempotency_key"
     timeout_seconds: float | None = None
     """Stop after this long (continuous mode; ``None``: until interrupted)."""
@@ -98,7 +112,6 @@ class RunReport:
     dead_letters: int
     pending_retries: int
     sink: SinkCheck | None
-    runs: int = 1
 
     def lines(self) -> list[str]:
         """The report as text lines."""
@@ -114,10 +127,11 @@ class RunReport:
             f"  sink failures:         {t.failed} (busy keys sent back: {t.busy})",
             f"  retries by level:      {t.retried_total} ({levels})",
             f"  dead letters:          {self.dead_letters} in %DLQ%{self.group} "
-            f"(bad keys {t.invalid}, out of retries or rejected {max(0, t.dead - t.invalid)})",
+            f"(bad keys {t.invalid}, out of retries or rejected {max(0, t.dead - t.invalid)}; "
+            f"replayed from the DLQ so far: {t.dlq_replayed})",
             f"  retries still pending: {self.pending_retries}",
-            f"  possible repeats:      {t.possible_repeats} (claims re-taken by a replayed batch; "
-            "a non-transactional sink saw them again with the same idempotency key)",
+            f"  possible repeats:      {t.possible_repeats} (rows a replayed batch handed to the "
+            "sink function again, with the same idempotency key)",
         ]
         if self.sink is not None:
             verdict = "PASS" if self.sink.exactly_once else "FAIL"
@@ -233,12 +247,13 @@ class Pipeline:
             sink_table=spec.sink_delta,
             topic=spec.topic,
             idempotency_column=spec.idempotency_column if fn is not None else None,
+            msg_id=spec.msg_id_field,
             crash_plan=crash_plan,
         )
         self.engine = RetryEngine(self.sink.config, client=self.client)
         self.stats = StatsStore(self.client, config.group, marker_ttl_ms=config.dedup_window_ms)
 
-    def _query(self, available_now: bool) -> StreamingQuery:
+    def _query(self, trigger_seconds: float) -> StreamingQuery:
         schema = source_schema(self.spark, self.spec, self.checkpoint)
         reader = self.spark.readStream.schema(schema)
         if self.spec.max_files_per_trigger:
@@ -250,70 +265,75 @@ class Pipeline:
                 f"(fields: {', '.join(main.columns)})"
             )
         stream = with_retries(main, config=self.sink.config)
-        writer = (
+        return (
             stream.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", self.checkpoint)
             .queryName(f"idem_{self.config.group}".replace("-", "_").replace(".", "_"))
+            .trigger(processingTime=f"{trigger_seconds} seconds")
+            .start()
         )
-        if available_now:
-            writer = writer.trigger(availableNow=True)
-        else:
-            writer = writer.trigger(processingTime=f"{self.spec.trigger_seconds} seconds")
-        return writer.start()
 
     def run(self, *, on_started: Callable[[StreamingQuery], None] | None = None) -> RunReport:
-        """Run as asked (``available_now`` or until interrupted / timed out); then report."""
-        runs = 0
-        if self.spec.available_now:
-            runs = self._run_available_now(on_started)
-        else:
-            runs = 1
-            query = self._query(available_now=False)
-            if on_started is not None:
-                on_started(query)
-            try:
+        """Run as asked (``available_now``, or until interrupted / timed out); then report."""
+        trigger = AVAILABLE_NOW_TRIGGER_S if self.spec.available_now else self.spec.trigger_seconds
+        query = self._query(trigger)
+        if on_started is not None:
+            on_started(query)
+        previous = _on_sigterm_interrupt()
+        try:
+            if self.spec.available_now:
+                self._until_idle(query)
+            else:
                 _await(query, self.spec.timeout_seconds)
-            except KeyboardInterrupt:
-                log.info("interrupted; stopping the query")
-            finally:
-                if query.isActive:
-                    query.stop()
-            _raise_if_failed(query)
-        return self.report(runs=runs)
+        except KeyboardInterrupt:
+            log.info("interrupted; stopping the query")
+        finally:
+            if query.isActive:
+                query.stop()
+            _restore_sigterm(previous)
+        _raise_if_failed(query)
+        return self.report()
 
-    def _run_available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> int:
-        """Process everything available, then wait for due retries and go again until none."""
-        ladder_max_ms = max(self.config.delay_levels.delays_ms)
-        runs = 0
-        stalled = 0
-        while True:
-            before = self.engine.pending()
-            query = self._query(available_now=True)
-            runs += 1
-            if on_started is not None:
-                on_started(query)
-            _await(query)
-            pending = self.engine.pending()
+    def _until_idle(self, query: StreamingQuery) -> None:
+        """Wait until every source is drained and no retry is scheduled or in the topic.
+
+        Spark's own ``Trigger.AvailableNow`` stops before retries that come due
+        later; a query that keeps triggering picks them up as they come due. A
+        retry that stays pending without progress for ``STALL_S`` ends the wait
+        (the report shows it as pending).
+        """
+        idle_since: float | None = None
+        last_batch: object = None
+        last_change = time.monotonic()
+        while query.isActive:
+            time.sleep(AVAILABLE_NOW_TRIGGER_S / 2)
+            now = time.monotonic()
+            status = query.status
+            progress = query.lastProgress
+            batch = progress.get("batchId") if progress else None
+            if batch != last_batch:
+                last_batch, last_change = batch, now
+            waiting = (
+                status.get("message") in _WAITING
+                and not status.get("isDataAvailable")
+                and not status.get("isTriggerActive")
+            )
+            pending = self.engine.pending() if waiting else -1
             if pending == 0:
-                return runs
-            due = self.engine.next_due_ms()
-            if due is None:
-                # Messages already in the retry topic: run again at once (bounded).
-                stalled = stalled + 1 if pending >= before else 0
-                if stalled >= 3:
-                    log.warning("%d retry message(s) are not being consumed; stopping", pending)
-                    return runs
+                idle_since = idle_since or now
+                settled = min(now - idle_since, now - last_change)
+                if settled >= 3 * AVAILABLE_NOW_TRIGGER_S:
+                    return
                 continue
-            stalled = 0
-            wait_ms = due - self.engine.clock.now_ms()
-            if wait_ms > ladder_max_ms:
-                log.info("next retry is due in %.0f s; stopping (run again later)", wait_ms / 1000)
-                return runs
-            if wait_ms > 0:
-                log.info("%d retry message(s) pending; next due in %.1f s", pending, wait_ms / 1000)
-                time.sleep(wait_ms / 1000)
+            idle_since = None
+            if pending > 0 and now - last_change > STALL_S:
+                due = self.engine.next_due_ms()
+                late = due is None or due < self.engine.clock.now_ms() - STALL_S * 1000
+                if late:
+                    log.warning("%d retry message(s) pending without progress; stopping", pending)
+                    return
 
-    def report(self, *, runs: int = 1) -> RunReport:
+    def report(self) -> RunReport:
         """The group's report now."""
         dlq = self.engine.dlq
         return RunReport(
@@ -322,7 +342,6 @@ class Pipeline:
             dead_letters=dlq.count(DeadLetterStatus.DEAD),
             pending_retries=self.engine.pending(),
             sink=sink_check(self.spec.sink_delta) if self.spec.sink_delta else None,
-            runs=runs,
         )
 
     def close(self) -> None:
@@ -355,6 +374,22 @@ def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
     _raise_if_failed(query)
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_sigterm_interrupt() -> Any:
+    """SIGTERM stops the query like Ctrl-C (main thread only); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _raise_if_failed(query: StreamingQuery) -> None:
     error = query.exception()
     if error is not None:
@@ -377,6 +412,7 @@ def report_json(report: RunReport) -> str:
             "dead_letters": report.dead_letters,
             "pending_retries": report.pending_retries,
             "possible_repeats": t.possible_repeats,
+            "dlq_replayed": t.dlq_replayed,
             "sink": None
             if report.sink is None
             else {

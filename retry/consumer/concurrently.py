@@ -27,6 +27,7 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from idem.errors import IdemError
 from idem.retry.consumer.listener import BatchResult
@@ -60,6 +61,8 @@ class ConcurrentlyService:
         self.watchdog = ConsumeTimeoutWatchdog(self)
         self._queues: dict[MessageQueue, ProcessQueue] = {}
         self._queues_lock = threading.Lock()
+        self._running = 0
+        self._idle = threading.Condition()
 
     def start(self) -> None:
         """Start the consume-timeout watchdog."""
@@ -68,7 +71,9 @@ class ConcurrentlyService:
     def shutdown(self, await_ms: int) -> None:
         """Stop taking requests; wait up to ``await_ms`` for running ones."""
         self.watchdog.stop()
-        self.executor.shutdown(wait=await_ms > 0, cancel_futures=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0, timeout=await_ms / 1000)
 
     def watch(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Let the watchdog see ``pq``."""
@@ -107,10 +112,16 @@ class ConcurrentlyService:
     # -- one request ---------------------------------------------------------------------
 
     def _consume(self, messages: list[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
+        with self._idle:
+            self._running += 1
         try:
             self._consume_request(messages, pq, mq)
         except Exception:
             log.exception("%s: consume request on %s failed", self.rt.client_id, mq)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
 
     def _consume_request(self, messages: list[MessageExt], pq: ProcessQueue,
                          mq: MessageQueue) -> None:
@@ -138,10 +149,13 @@ class ConcurrentlyService:
         self.rt.stats.add(consumed_ok=len(acked), consume_failed=len(failed))
         keep: list[MessageExt] = []
         if self.rt.broadcasting:
-            for i in sorted({*result.failed, *result.dead}):
+            keep = [messages[i] for i, f in sorted(result.failed.items()) if f.transient]
+            dropped = sorted({i for i, f in result.failed.items() if not f.transient}
+                             | set(result.dead))
+            for i in dropped:
                 log.warning("BROADCASTING, the message consume failed, drop it: %s",
                             messages[i].msg_id)
-            self.rt.stats.add(broadcast_dropped=len(result.failed) + len(result.dead))
+            self.rt.stats.add(broadcast_dropped=len(dropped))
         else:
             keep = self._send_back(messages, result)
         kept = {m.msg_id for m in keep}
@@ -196,10 +210,15 @@ class ConcurrentlyService:
 
     # -- consume timeout -----------------------------------------------------------------
 
-    def expire(self, mq: MessageQueue, pq: ProcessQueue, messages: Sequence[MessageExt]) -> None:
-        """Send messages consumed for too long back at level 3 and remove them."""
+    def expire(self, due: Sequence[Expiring]) -> None:
+        """Send messages consumed for too long back at level 3 (one call) and remove them.
+
+        A message the send-back could not place keeps its consume start: the
+        watchdog finds it again on its next look.
+        """
+        messages = [e.message for e in due]
         if self.rt.broadcasting:
-            placed = list(messages)
+            placed = {m.msg_id for m in messages}
             log.warning("BROADCASTING: %d message(s) timed out; dropped", len(placed))
         else:
             engine = self.rt.engine
@@ -209,19 +228,37 @@ class ConcurrentlyService:
                     m.msg_id: f"consume timeout ({self.rt.consume_timeout_ms} ms)"
                     for m in messages
                 })
+                unplaced = _unplaced(outcome)
             except Exception:
-                log.exception("send-back of expired messages failed; retrying")
-                return
-            unplaced = _unplaced(outcome)
-            placed = [m for m in messages if m.msg_id not in unplaced]
-        if not placed:
-            return
-        self.rt.stats.add(expired=len(placed))
-        log.warning("%s: %d message(s) of %s exceeded the consume timeout; sent back",
-                    self.rt.client_id, len(placed), mq)
-        offset = pq.remove_messages(placed)
-        if offset >= 0:
-            self.rt.commit_offset(mq, pq, offset, increase_only=True)
+                log.exception("send-back of %d expired message(s) failed", len(messages))
+                unplaced = {m.msg_id for m in messages}
+            placed = {m.msg_id for m in messages if m.msg_id not in unplaced}
+        done = self.rt.clock.now_ms()
+        by_queue: dict[MessageQueue, tuple[ProcessQueue, list[MessageExt]]] = {}
+        for e in due:
+            if e.message.msg_id in placed:
+                by_queue.setdefault(e.mq, (e.pq, []))[1].append(e.message)
+                self.watchdog.sent_back_lateness_ms.append(done - e.deadline_ms)
+            else:
+                e.pq.mark_consume_start([e.message], e.started_ms)
+        for mq, (pq, expired) in by_queue.items():
+            self.rt.stats.add(expired=len(expired))
+            log.warning("%s: %d message(s) of %s exceeded the consume timeout; sent back",
+                        self.rt.client_id, len(expired), mq)
+            offset = pq.remove_messages(expired)
+            if offset >= 0:
+                self.rt.commit_offset(mq, pq, offset, increase_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Expiring:
+    """A message found past its deadline, on its way back to the broker."""
+
+    mq: MessageQueue
+    pq: ProcessQueue
+    message: MessageExt
+    started_ms: int
+    deadline_ms: int
 
 
 class ConsumeTimeoutWatchdog:
@@ -235,6 +272,10 @@ class ConsumeTimeoutWatchdog:
         self.looks = 0
         self.lateness_ms: deque[int] = deque(maxlen=100_000)
         """How long after its deadline each expired message was found (ms)."""
+        self.sent_back_lateness_ms: deque[int] = deque(maxlen=100_000)
+        """How long after its deadline each expired message was sent back (ms)."""
+        self._pending: list[Expiring] = []
+        self._sender: threading.Thread | None = None
 
     def poke(self) -> None:
         """Look again now (a consume started, or the timeout changed)."""
@@ -242,21 +283,37 @@ class ConsumeTimeoutWatchdog:
             self._cond.notify()
 
     def start(self) -> None:
-        """Run in a daemon thread."""
+        """Run the finder and the sender in daemon threads."""
         self._stopped = False
-        self._thread = threading.Thread(
-            target=self._run, name=f"{self.service.rt.client_id}-timeout", daemon=True
-        )
+        name = self.service.rt.client_id
+        self._thread = threading.Thread(target=self._run, name=f"{name}-timeout", daemon=True)
+        self._sender = threading.Thread(target=self._send, name=f"{name}-expire", daemon=True)
         self._thread.start()
+        self._sender.start()
 
     def stop(self) -> None:
-        """Stop the thread."""
+        """Stop both threads."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        for thread in (self._thread, self._sender):
+            if thread is not None:
+                thread.join(5)
+        self._thread = self._sender = None
+
+    def _send(self) -> None:
+        """Send back everything found so far in one call, again and again."""
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                batch, self._pending = self._pending, []
+            try:
+                self.service.expire(batch)
+            except Exception:
+                log.exception("expiring %d message(s) failed", len(batch))
 
     def look(self) -> int:
         """Expire what is due now; returns the wait (ms) until the next deadline."""
@@ -265,17 +322,17 @@ class ConsumeTimeoutWatchdog:
         now = rt.clock.now_ms()
         wait = WATCHDOG_MAX_WAIT_MS
         self.looks += 1
-        for mq, pq in self.service.watched():
-            due = pq.expired(now, timeout)
-            for message in due:
-                started = pq.consume_started_ms(message)
-                if started is not None:
-                    self.lateness_ms.append(now - started - timeout)
-            if due:
-                try:
-                    self.service.expire(mq, pq, due)
-                except Exception:
-                    log.exception("expiring messages of %s failed", mq)
+        due: list[Expiring] = []
+        watched = self.service.watched()
+        for mq, pq in watched:
+            for message, started in pq.take_expired(now, timeout):
+                self.lateness_ms.append(now - started - timeout)
+                due.append(Expiring(mq, pq, message, started, started + timeout))
+        if due:
+            with self._cond:  # the sender thread sends them back; finding goes on meanwhile
+                self._pending += due
+                self._cond.notify_all()
+        for _, pq in watched:
             earliest = pq.earliest_start()
             if earliest is not None:
                 wait = min(wait, max(earliest + timeout - now, 1))

@@ -47,10 +47,16 @@ MessageListenerOrderly = Callable[
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Why a message failed and at which delay level it should come back (0: the ladder)."""
+    """Why a message failed and at which delay level it should come back (0: the ladder).
+
+    ``transient``: not the listener's failure but "not now" (a key busy elsewhere, the
+    dedup store unreachable) — a broadcasting consumer consumes it again locally
+    instead of dropping it.
+    """
 
     reason: str
     delay_level: int = 0
+    transient: bool = False
 
 
 @dataclass(slots=True)

@@ -285,6 +285,21 @@ class DedupMiddleware:
         self.stats = DedupStats()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
+        self._ready = False
+        self._ready_lock = threading.Lock()
+
+    def _catch_up_once(self) -> None:
+        """Bring the Redis index up to the ledger once, before the first claims.
+
+        Otherwise every consume thread's first claim finds the index missing and
+        rebuilds every bucket at the same time.
+        """
+        if self._ready:
+            return
+        with self._ready_lock:
+            if not self._ready:
+                self.dedup.catch_up()
+                self._ready = True
 
     def _raw_keys(self, messages: Sequence[MessageExt]) -> list[object]:
         out: list[object] = []
@@ -319,6 +334,12 @@ class DedupMiddleware:
                  call_next: CallNext) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
         size = len(messages)
+        try:
+            self._catch_up_once()
+        except Exception as exc:
+            log.warning("dedup index unavailable; the batch will be retried", exc_info=True)
+            return BatchResult(size, failed=dict.fromkeys(
+                range(size), Failure(f"dedup unavailable: {exc}", transient=True)))
         order = sorted(range(size), key=lambda i: (messages[i].queue_offset,
                                                    messages[i].born_timestamp))
         raw = self._raw_keys(messages)
@@ -335,7 +356,7 @@ class DedupMiddleware:
             except Exception as exc:
                 log.warning("dedup claim failed; the batch will be retried", exc_info=True)
                 for i in here:
-                    result.failed[i] = Failure(f"dedup unavailable: {exc}")
+                    result.failed[i] = Failure(f"dedup unavailable: {exc}", transient=True)
                 return result
             self._classify(messages, scope, raw, claim, here=here, result=result)
             if claim.fresh:
@@ -357,7 +378,7 @@ class DedupMiddleware:
                 key = None
             if key is not None and key in held:
                 result.failed[i] = Failure("busy: key in flight in this consumer",
-                                           self.busy_delay_level)
+                                           self.busy_delay_level, transient=True)
             else:
                 here.append(i)
         return result, here
@@ -382,7 +403,7 @@ class DedupMiddleware:
         for k in claim.busy:
             i = here[k]
             result.failed[i] = Failure("busy: key claimed by another consumer",
-                                       self.busy_delay_level)
+                                       self.busy_delay_level, transient=True)
             records.append(DuplicateRecord.of(claim.keys[k] or "", BUSY, messages[i],
                                               scope.client_id))
         for bad in claim.invalid:
@@ -421,7 +442,8 @@ class DedupMiddleware:
                 log.warning("completing %d key(s) failed; they will be consumed again",
                             len(done_k), exc_info=True)
                 for k in done_k:
-                    result.failed.setdefault(here[k], Failure(f"dedup commit failed: {exc}"))
+                    result.failed.setdefault(here[k], Failure(f"dedup commit failed: {exc}",
+                                                              transient=True))
                 release_k += done_k
             else:
                 slipped = set(outcome.slipped)

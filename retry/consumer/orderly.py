@@ -93,8 +93,14 @@ class OrderlyService:
         """Nothing to start: lock renewal is driven by the consumer's timer."""
 
     def shutdown(self, await_ms: int) -> None:
-        """Stop taking requests."""
-        self.executor.shutdown(wait=await_ms > 0, cancel_futures=True)
+        """Stop taking requests; wait up to ``await_ms`` for the running ones."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + await_ms / 1000
+        for pq in self.rt.process_queues():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not pq.consume_lock.acquire(timeout=remaining):
+                break
+            pq.consume_lock.release()
 
     # -- locks ---------------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ class ProcessQueue:
         """Orderly: one consume request of this queue at a time, and not while it is removed."""
         self.consuming = False
         """Orderly: a consume request of this queue is scheduled or running."""
+        self.take_over_deliveries = False
+        """``%RETRY%<group>``: first take over what a previous owner read and did not ack."""
 
     # -- counts --------------------------------------------------------------------------
 
@@ -128,7 +130,7 @@ class ProcessQueue:
         """Record when consumption of ``messages`` began (``CONSUME_START_TIME``)."""
         with self._lock:
             for message in messages:
-                if message.queue_offset in self._messages:
+                if self.contains(message):
                     self._started[message.queue_offset] = now_ms
 
     def consume_started_ms(self, message: MessageExt) -> int | None:
@@ -152,6 +154,21 @@ class ProcessQueue:
                 for o in sorted(o for o, at in self._started.items() if at <= limit)
                 if o in self._messages
             ]
+
+    def take_expired(self, now_ms: int, timeout_ms: int) -> list[tuple[MessageExt, int]]:
+        """Like :meth:`expired`, with each consume start, and forget those starts.
+
+        A message taken is not returned again while it is being sent back; give
+        it back with :meth:`mark_consume_start` if the send-back fails.
+        """
+        with self._lock:
+            limit = now_ms - timeout_ms
+            out = []
+            for offset in sorted(o for o, at in self._started.items() if at <= limit):
+                started = self._started.pop(offset)
+                if offset in self._messages:
+                    out.append((self._messages[offset], started))
+            return out
 
     # -- orderly -------------------------------------------------------------------------
 

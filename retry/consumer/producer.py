@@ -204,21 +204,20 @@ class Producer:
         """Send many messages round-robin over their topic's queues, one round trip per queue.
 
         A loader for tests and benchmarks: a failed round trip raises (no retries).
+        Results are in the order of ``messages``.
         """
-        by_queue: dict[MessageQueue, list[MessageExt]] = {}
-        for message in messages:
+        by_queue: dict[MessageQueue, list[int]] = {}
+        for index, message in enumerate(messages):
             mqs = self.topics.message_queues(message.topic, cached=True)
             if not mqs:
                 raise SendFailed(f"topic {message.topic!r} does not exist (create_topic first)")
-            by_queue.setdefault(self._next_queue(mqs, None), []).append(message)
-        results: list[SendResult] = []
-        for mq, batch in by_queue.items():
-            offsets = self.topics.put(mq, batch)
-            results += [
-                SendResult(SendStatus.SEND_OK, m.msg_id, mq, o, 1)
-                for m, o in zip(batch, offsets, strict=True)
-            ]
-        return results
+            by_queue.setdefault(self._next_queue(mqs, None), []).append(index)
+        results: dict[int, SendResult] = {}
+        for mq, indices in by_queue.items():
+            offsets = self.topics.put(mq, [messages[i] for i in indices])
+            for i, offset in zip(indices, offsets, strict=True):
+                results[i] = SendResult(SendStatus.SEND_OK, messages[i].msg_id, mq, offset, 1)
+        return [results[i] for i in range(len(messages))]
 
     def shutdown(self) -> None:
         """Close the connection pool if the producer built it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import redis
 
@@ -152,11 +153,38 @@ class PullService:
 
     def _pull_retry(self, pq: ProcessQueue) -> None:
         assert self.engine is not None
+        if pq.take_over_deliveries:
+            taken = self._take_over_deliveries()
+            pq.take_over_deliveries = False
+            if taken:
+                log.info("%s: took over %d unacknowledged retry deliveries", self.client_id,
+                         len(taken))
+                self._deliver(pq, taken)
         messages = self.engine.poll_retry(
             self.client_id, self.settings.pull_batch_size, self.settings.pull_block_ms or None
         )
         if messages:
             self._deliver(pq, messages)
+
+    def _take_over_deliveries(self) -> list[MessageExt]:
+        """Claim every pending entry of ``%RETRY%<group>`` (``XAUTOCLAIM`` idle >= 0)."""
+        assert self.engine is not None
+        topic = self.engine.topic
+        taken: list[MessageExt] = []
+        start: Any = "0-0"
+        try:
+            while True:
+                reply: list[Any] = cast(Any, self.engine.client.xautoclaim(
+                    topic.key, topic.group, self.client_id, min_idle_time=0, start_id=start,
+                    count=1000))
+                taken += topic.entries_to_messages(reply[1])
+                start = reply[0]
+                if start in (b"0-0", "0-0"):
+                    return taken
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return taken
 
     def _deliver(self, pq: ProcessQueue, messages: Sequence[MessageExt]) -> None:
         if pq.dropped or self.rebalance.get(pq.mq) is not pq:

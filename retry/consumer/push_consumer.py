@@ -304,6 +304,12 @@ class PushConsumer:
             return True
         return self.orderly_service.lock_queue(mq, pq)
 
+    def on_queue_added(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """``%RETRY%<group>`` is read through a Redis consumer group, not by offset: its new
+        owner first takes over the deliveries a previous owner left unacknowledged, as a
+        queue's new owner starts again from its committed offset."""
+        pq.take_over_deliveries = self.is_retry_queue(mq)
+
     def remove_unnecessary_queue(self, mq: MessageQueue, pq: ProcessQueue) -> bool:
         """Persist and forget a queue taken away; orderly: release its lock."""
         if self.is_retry_queue(mq):
@@ -345,8 +351,11 @@ class PushConsumer:
             return
         self.reset_offsets(offsets)
 
-    def reset_offsets(self, offsets: dict[MessageQueue, int]) -> None:
-        """Drop the given queues here and restart them from ``offsets`` (``resetOffset``)."""
+    def reset_offsets(self, offsets: dict[MessageQueue, int], *, persist: bool = False) -> None:
+        """Drop the given queues here and restart them from ``offsets`` (``resetOffset``).
+
+        ``persist``: also write the offsets to the store (the admin tool already did).
+        """
         assert self.rebalance is not None
         for mq, pq in self.rebalance.drop(list(offsets)):
             pq.clear()
@@ -355,8 +364,31 @@ class PushConsumer:
             log.warning("%s: offset of %s reset to %d", self.client_id, mq, offsets[mq])
         for mq, offset in offsets.items():
             self.offset_store.update_offset(mq, offset, False)
+            if persist:
+                self.offset_store.persist(mq)
         if self.rebalance_service is not None:
             self.rebalance_service.wakeup()
+
+    def correct_illegal_offsets(self) -> dict[MessageQueue, int]:
+        """``OFFSET_ILLEGAL``: a queue pulled from outside the broker's bounds starts again
+        where the broker says (``DefaultMessageStore.getMessage``): below the minimum, at the
+        minimum; above the maximum, at the maximum — or at 0 when the queue starts at 0 again
+        (it was rebuilt: better deliver again than skip)."""
+        illegal: dict[MessageQueue, int] = {}
+        for pq in self.process_queues():
+            if self.is_retry_queue(pq.mq) or pq.dropped:
+                continue
+            low, high = self.topics.min_offset(pq.mq), self.topics.max_offset(pq.mq)
+            if pq.next_offset < low:
+                illegal[pq.mq] = low
+            elif pq.next_offset > high:
+                illegal[pq.mq] = low if low == 0 else high
+            if pq.mq in illegal:
+                log.warning("%s: pull offset %d of %s is outside [%d, %d]; resetting to %d",
+                            self.client_id, pq.next_offset, pq.mq, low, high, illegal[pq.mq])
+        if illegal:
+            self.reset_offsets(illegal, persist=True)
+        return illegal
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -403,6 +435,8 @@ class PushConsumer:
         self.pull_service.start()
         self.scheduler.every(s.persist_consumer_offset_interval_ms, self.persist_consumer_offset,
                              name="persist-offsets")
+        self.scheduler.every(s.persist_consumer_offset_interval_ms, self.correct_illegal_offsets,
+                             name="offset-illegal")
         if self.orderly_service is not None and clustering:
             self.scheduler.every(s.lock_interval_ms, self._lock_all, name="lock-all")
         if self.run_schedule_service and self.engine is not None:

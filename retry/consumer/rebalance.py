@@ -145,6 +145,10 @@ class RebalanceHooks(Protocol):
         """Every queue of a subscribed topic."""
         ...
 
+    def on_queue_added(self, mq: MessageQueue, pq: ProcessQueue) -> None:
+        """A queue was just assigned here (its process queue is in the table)."""
+        ...
+
 
 class RebalanceImpl:
     """The process-queue table of one instance, kept in line with its allocation."""
@@ -222,6 +226,7 @@ class RebalanceImpl:
                 continue
             pq.next_offset = offset
             self.table[mq] = pq
+            self.hooks.on_queue_added(mq, pq)
             changed = True
             log.info("%s: took %s from offset %d", self.client_id, mq, offset)
         return changed

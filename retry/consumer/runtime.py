@@ -48,6 +48,10 @@ class Runtime(Protocol):
         """The middleware chain ending in the listener, for one call on ``mq``."""
         ...
 
+    def process_queues(self) -> list[ProcessQueue]:
+        """The queues the consumer holds now."""
+        ...
+
     def is_retry_queue(self, mq: MessageQueue) -> bool:
         """Whether ``mq`` is ``%RETRY%<group>`` (acknowledged per message, not by offset)."""
         ...

@@ -10,6 +10,7 @@ then moves on.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -137,7 +138,7 @@ def test_order_kept_across_a_suspended_message(real_redis: redis.Redis,
     flaky = next(r for r in sink.rows if r["key"] == FLAKY)
     assert flaky["reconsume"] == FLAKY_FAILURES
     tries = sink.attempts[FLAKY]
-    assert all(b - a >= SUSPEND_MS / 1000 * 0.9 for a, b in zip(tries, tries[1:], strict=False))
+    assert all(b - a >= SUSPEND_MS / 1000 * 0.9 for a, b in itertools.pairwise(tries))
     letter = dlq.list()[0]
     assert letter.key == POISON
     assert letter.reconsume_times == 3

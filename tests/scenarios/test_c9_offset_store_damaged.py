@@ -20,7 +20,8 @@ pytestmark = pytest.mark.scenarios
 
 def test_c9_damaged_offset_file(group: Group, tmp_path: Path) -> None:
     settings = FAST.with_changes(message_model=MessageModel.BROADCASTING,
-                                 offset_store_dir=str(tmp_path / "offsets"))
+                                 offset_store_dir=str(tmp_path / "offsets"),
+                                 await_termination_ms=5000)
     dedup_group = f"{group.name}-bc-1"  # broadcasting: every instance consumes every key once
     wanted = group.produce(keys("C9-", 12))
     first = group.consumer("bc-1", settings=settings, dedup_group=dedup_group)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark]
 def test_idem_demo_prints_the_report_with_the_exactly_once_check_passing(
     spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["demo", "--workdir", str(tmp_path), "--orders", "200", "--files", "4"])
+    code = main(["demo", "--workdir", str(tmp_path), "--orders", "150", "--files", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Redis: private redis-server on 127.0.0.1:" in out

@@ -69,7 +69,7 @@ def outcome(
         [
             [order(1), order(2), order(3), order(4)],
             [order(5), order(6), order(6), {"order_id": None, "amount": 1.0}],
-            [order(7), {"order_id": "", "amount": 2.0}],
+            [order(7), {"order_id": "", "amount": 2.0}, order(4)],  # the poison one redelivered
         ],
     )
     config = config_for(tmp, redis_server.url, "retries")
@@ -99,11 +99,13 @@ def test_transient_failures_succeed_on_a_later_level_with_no_duplicate(outcome: 
 
 
 def test_a_poison_row_ends_as_one_dlq_row_after_max_reconsume_times(outcome: Outcome) -> None:
+    # It was redelivered while it waited for a retry: the copy is the same message
+    # (same key and payload), joins the same retry chain and adds no DLQ row.
     poison = [d for d in outcome.letters if d.key == POISON]
     assert len(poison) == 1
     letter = poison[0]
     assert letter.reconsume_times == outcome.config.max_reconsume_times
-    assert outcome.sink.attempts[POISON] == outcome.config.max_reconsume_times + 1
+    assert outcome.sink.attempts[POISON] >= outcome.config.max_reconsume_times + 1
     assert "cannot price this order" in (letter.last_error or "")
     assert len(letter.errors) == outcome.config.max_reconsume_times + 1
     assert POISON not in sink_key_counts(outcome.sink_path)

@@ -1,0 +1,256 @@
+"""The push consumer's building blocks on a real redis-server, one behaviour per test.
+
+Topics and offsets, average allocation, heartbeats and leaving, tag filtering,
+``ack_index``, broadcasting's drop-on-failure, flow control, the local offset
+file's backup.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.clock import ManualClock
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry.consumer import (
+    ConsumeFromWhere,
+    ConsumerSettings,
+    LocalFileOffsetStore,
+    Membership,
+    MessageQueue,
+    ProcessQueue,
+    Producer,
+    PushConsumer,
+    ReadOffsetType,
+    TopicStore,
+    allocate_averagely,
+    consumer_offsets,
+    new_message,
+)
+from idem.retry.message import MessageExt
+from idem.retry.status import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    MessageModel,
+)
+
+pytestmark = pytest.mark.integration
+
+FAST = ConsumerSettings(
+    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
+    heartbeat_interval_ms=100, heartbeat_expire_ms=600, rebalance_interval_ms=500,
+    persist_consumer_offset_interval_ms=100, consume_thread_nums=4,
+)
+
+
+def eventually(check: Callable[[], object], timeout: float = 15.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+class Recorder:
+    """A listener that records what it got and answers with ``answer``."""
+
+    def __init__(self, answer: Callable[[Sequence[MessageExt], ConsumeConcurrentlyContext],
+                                        ConsumeConcurrentlyStatus] | None = None) -> None:
+        self.seen: list[MessageExt] = []
+        self.lock = threading.Lock()
+        self.answer = answer
+
+    def __call__(self, messages: Sequence[MessageExt],
+                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+        with self.lock:
+            self.seen.extend(messages)
+        if self.answer is not None:
+            return self.answer(messages, context)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return [m.keys or "" for m in self.seen]
+
+
+@pytest.fixture
+def config(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path) -> IdemConfig:
+    TopicStore(real_redis).create_topic("orders", 4)
+    return IdemConfig(group=f"b-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
+                      data_dir=str(tmp_path), delay_levels="1s 1s 1s")
+
+
+@pytest.fixture
+def consumers() -> Iterator[list[PushConsumer]]:
+    started: list[PushConsumer] = []
+    yield started
+    for consumer in started:
+        consumer.shutdown()
+
+
+def start(config: IdemConfig, listener: Recorder, consumers: list[PushConsumer], *,
+          settings: ConsumerSettings = FAST, name: str | None = None,
+          sub_expression: str = "*") -> PushConsumer:
+    consumer = PushConsumer(config, settings=settings, instance_name=name)
+    consumer.subscribe("orders", sub_expression)
+    consumer.register_message_listener_concurrently(listener)
+    consumers.append(consumer.start())
+    return consumer
+
+
+def test_offsets_are_dense_and_searchable_by_time(real_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    topics = TopicStore(real_redis, clock=clock)
+    topics.create_topic("ledger", 1)
+    mq = MessageQueue("ledger", 0)
+    first = topics.put(mq, [new_message("ledger", b"a", keys="A")])
+    clock.advance(10)
+    later = topics.put(mq, [new_message("ledger", b"b", keys="B"),
+                            new_message("ledger", b"c", keys="C")])
+    assert first + later == [0, 1, 2]
+    assert (topics.min_offset(mq), topics.max_offset(mq)) == (0, 3)
+    assert topics.search_offset(mq, clock.now_ms()) == 1
+    assert [m.keys for m in topics.pull(mq, 1).messages] == ["B", "C"]
+    assert topics.pull(mq, 7).status.value == "OFFSET_ILLEGAL"
+
+
+def test_allocate_averagely_matches_rocketmq() -> None:
+    mqs = [MessageQueue("t", i) for i in range(8)]
+    shares = {c: allocate_averagely(c, mqs, ["c1", "c2", "c3"]) for c in ("c1", "c2", "c3")}
+    assert [[mq.queue_id for mq in shares[c]] for c in ("c1", "c2", "c3")] == \
+        [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert allocate_averagely("c9", mqs, ["c1"]) == []
+    assert [mq.queue_id for mq in allocate_averagely("c2", mqs[:2], ["c1", "c2", "c3"])] == [1]
+
+
+def test_heartbeats_expire_and_leave_bump_the_epoch(real_redis: redis.Redis) -> None:
+    clock = ManualClock()
+    a = Membership(real_redis, "g", "a", expire_ms=1000, clock=clock)
+    b = Membership(real_redis, "g", "b", expire_ms=1000, clock=clock)
+    assert a.beat().client_ids == ("a",)
+    joined = b.beat()
+    assert joined.changed
+    assert joined.client_ids == ("a", "b")
+    clock.advance(2)
+    expired = a.beat()  # b went silent
+    assert expired.changed
+    assert expired.client_ids == ("a",)
+    assert expired.epoch > joined.epoch
+    assert a.leave().client_ids == ()
+
+
+def test_the_group_shares_the_queues_and_hands_them_over(config: IdemConfig,
+                                                         consumers: list[PushConsumer]) -> None:
+    one, two = Recorder(), Recorder()
+    a = start(config, one, consumers, name="a")
+    b = start(config, two, consumers, name="b")
+    eventually(lambda: {len([p for p in c.process_queues() if p.mq.topic == "orders"])
+                        for c in (a, b)} == {2})
+    b.shutdown()  # leaves: a takes every queue at once
+    eventually(lambda: len([p for p in a.process_queues() if p.mq.topic == "orders"]) == 4)
+
+
+def test_tags_filter_and_the_offset_still_advances(real_redis: redis.Redis, config: IdemConfig,
+                                                   consumers: list[PushConsumer]) -> None:
+    producer = Producer("p", client=real_redis)
+    producer.send_batch([new_message("orders", b"{}", keys=f"K{i}", tags="A" if i % 2 else "B")
+                         for i in range(8)])
+    got = Recorder()
+    start(config, got, consumers, sub_expression="A")
+    eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 8)
+    assert sorted(got.keys()) == ["K1", "K3", "K5", "K7"]
+
+
+def test_ack_index_sends_back_only_the_rest(real_redis: redis.Redis, config: IdemConfig,
+                                            consumers: list[PushConsumer]) -> None:
+    def ack_two(messages: Sequence[MessageExt],
+                context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+        if messages[0].reconsume_times == 0:
+            context.ack_index = 1  # the first two succeeded
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    mq = MessageQueue("orders", 0)
+    TopicStore(real_redis).put(mq, [new_message("orders", b"{}", keys=f"K{i}") for i in range(4)])
+    got = Recorder(ack_two)
+    settings = FAST.with_changes(consume_message_batch_max_size=4)
+    consumer = start(config, got, consumers, settings=settings)
+    eventually(lambda: len(got.seen) == 6)  # 4, then the 2 sent back
+    again = sorted((m.keys or "", m.reconsume_times) for m in got.seen if m.reconsume_times)
+    assert again == [("K2", 1), ("K3", 1)]
+    assert consumer.stats.snapshot()["sent_back"] == 2
+
+
+def test_broadcasting_drops_a_failed_message(real_redis: redis.Redis, config: IdemConfig,
+                                             consumers: list[PushConsumer],
+                                             tmp_path: Path) -> None:
+    Producer("p", client=real_redis).send_batch(
+        [new_message("orders", b"{}", keys=f"K{i}") for i in range(4)])
+    settings = FAST.with_changes(message_model=MessageModel.BROADCASTING,
+                                 offset_store_dir=str(tmp_path / "offsets"))
+    failing = Recorder(lambda m, c: ConsumeConcurrentlyStatus.RECONSUME_LATER)
+    everyone = [failing, Recorder()]
+    a = start(config, everyone[0], consumers, settings=settings, name="a")
+    start(config, everyone[1], consumers, settings=settings, name="b")
+    eventually(lambda: len(everyone[1].seen) == 4 and len(failing.seen) == 4)
+    time.sleep(1.5)  # a retry would have come back by now ("1s 1s 1s")
+    assert len(failing.seen) == 4  # each instance got every message once: no retry
+    assert a.stats.snapshot()["broadcast_dropped"] == 4
+    assert a.engine is None  # broadcasting never sends back
+
+
+def test_flow_control_pauses_pulls_but_everything_arrives(
+        real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]) -> None:
+    Producer("p", client=real_redis).send_batch(
+        [new_message("orders", b"x" * 100, keys=f"K{i}") for i in range(400)])
+    slow = Recorder(lambda m, c: (time.sleep(0.002), ConsumeConcurrentlyStatus.CONSUME_SUCCESS)[1])
+    consumer = start(config, slow, consumers,
+                     settings=FAST.with_changes(pull_threshold_for_queue=10, pull_batch_size=8))
+    eventually(lambda: len(set(slow.keys())) == 400)
+    assert consumer.stats.snapshot()["flow_control"] > 0
+
+
+def test_process_queue_commits_the_smallest_offset_in_flight() -> None:
+    pq = ProcessQueue(MessageQueue("t", 0))
+    messages = [MessageExt(topic="t", msg_id=f"M{i}", queue_offset=i, body=b"xx")
+                for i in range(5)]
+    pq.put_messages(messages)
+    assert pq.remove_messages(messages[1:3]) == 0  # message 0 is still in flight
+    assert pq.remove_messages(messages[0:1]) == 3
+    assert pq.remove_messages(messages[3:]) == 5  # empty: max + 1
+    assert pq.msg_size == 0
+
+
+def test_local_offset_file_falls_back_to_its_backup(tmp_path: Path) -> None:
+    mq = MessageQueue("orders", 0)
+    store = LocalFileOffsetStore(tmp_path, "client", "group")
+    store.update_offset(mq, 5, False)
+    store.persist_all([mq])
+    store.update_offset(mq, 9, False)
+    store.persist_all([mq])  # the 5 is in the backup now
+    store.path.write_text("{not json")
+    fresh = LocalFileOffsetStore(tmp_path, "client", "group")
+    fresh.load()
+    assert fresh.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 5
+
+
+def test_an_offset_beyond_the_broker_is_reset_to_the_brokers(
+        real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]) -> None:
+    producer = Producer("p", client=real_redis)
+    producer.send_batch([new_message("orders", b"{}", keys=f"OLD{i}") for i in range(8)])
+    got = Recorder()
+    consumer = start(config, got, consumers)
+    eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 8)
+    # the broker loses its queues (rebuilt empty): its offsets restart below the consumer's
+    for mq in TopicStore(real_redis).message_queues("orders"):
+        real_redis.delete(TopicStore.queue_key(mq))
+    producer.send_batch([new_message("orders", b"{}", keys=f"NEW{i}") for i in range(4)])
+    eventually(lambda: {f"NEW{i}" for i in range(4)} <= set(got.keys()))
+    eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 4)
+    assert consumer.stats.snapshot()["consumed_ok"] == 12
