@@ -161,9 +161,23 @@ class BatchRun:
     # -- step 1-2 ------------------------------------------------------------------------------
 
     def claim(self) -> BatchClaim:
-        """Normalise the keys, drop in-batch duplicates, claim the fresh keys for this owner."""
+        """Normalise the keys, drop in-batch duplicates, claim the fresh keys for this owner.
+
+        Of rows sharing a key, the one furthest along its retry chain is kept (then
+        the first): its send-back continues that chain. Keeping a fresh copy
+        instead would resend under the id of the chain's next message, which is
+        still live, and the chain would end when this batch acknowledges it.
+        """
+        order = sorted(
+            range(self.size),
+            key=lambda i: (-(prev.reconsume_times if (prev := self.previous.get(i)) else -1), i),
+        )
         self.claim_result = self.dedup.begin(
-            self.keys, owner=self.owner, fingerprints=self.fingerprints, field=self.key
+            self.keys,
+            owner=self.owner,
+            fingerprints=self.fingerprints,
+            order=order if self.previous else None,
+            field=self.key,
         )
         return self.claim_result
 

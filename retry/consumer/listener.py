@@ -153,6 +153,42 @@ def chain(middleware: Sequence[Middleware], terminal: CallNext, scope: ConsumeSc
     return call
 
 
+def invoke_concurrently(listener: MessageListenerConcurrently,
+                        messages: Sequence[MessageExt]) -> BatchResult:
+    """Call a concurrent listener; an exception or ``None`` means ``RECONSUME_LATER``."""
+    if not messages:
+        return BatchResult(0)
+    context = ConsumeConcurrentlyContext()
+    reason = "RECONSUME_LATER"
+    try:
+        raw = listener(messages, context)
+        status = ConsumeConcurrentlyStatus(raw) if raw is not None else \
+            ConsumeConcurrentlyStatus.RECONSUME_LATER
+    except Exception as exc:  # the listener's own failure: logged, never propagated
+        log.warning("listener failed on %d message(s)", len(messages), exc_info=True)
+        status = ConsumeConcurrentlyStatus.RECONSUME_LATER
+        reason = f"{type(exc).__name__}: {exc}"
+    return BatchResult.from_concurrently(len(messages), status, context, reason)
+
+
+def invoke_orderly(listener: MessageListenerOrderly,
+                   messages: Sequence[MessageExt]) -> BatchResult:
+    """Call an orderly listener; an exception or ``None`` suspends the queue."""
+    if not messages:
+        return BatchResult(0)
+    context = ConsumeOrderlyContext()
+    reason = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
+    try:
+        raw = listener(messages, context)
+        status = ConsumeOrderlyStatus(raw) if raw is not None else \
+            ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+    except Exception as exc:
+        log.warning("orderly listener failed on %d message(s)", len(messages), exc_info=True)
+        status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        reason = f"{type(exc).__name__}: {exc}"
+    return BatchResult.from_orderly(len(messages), status, context, reason)
+
+
 # -- per-row marks ------------------------------------------------------------------------
 
 class DoneMarks:

@@ -25,6 +25,10 @@ Around every consume call the middleware (DESIGN §1):
    calls are grouped into one Delta commit (group commit), and each call waits
    for its own before it returns, so the offset never passes an uncommitted key;
 5. releases the claims of the rest.
+
+Broadcasting: every instance must consume every key once, so give each instance
+its own dedup group (``IdemConfig(group=f"{group}-{instance}")``); a busy key is
+then consumed again locally rather than dropped.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ from idem.retry.consumer.listener import (
     MessageListenerOrderly,
     Middleware,
     chain,
+    invoke_concurrently,
+    invoke_orderly,
 )
 from idem.retry.consumer.offset_store import (
     LocalFileOffsetStore,
@@ -65,10 +67,6 @@ from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt, retry_topic
 from idem.retry.schedule import ScheduleService
 from idem.retry.status import (
-    ConsumeConcurrentlyContext,
-    ConsumeConcurrentlyStatus,
-    ConsumeOrderlyContext,
-    ConsumeOrderlyStatus,
     MessageModel,
 )
 
@@ -198,38 +196,12 @@ class PushConsumer:
         return chain(self._middleware, terminal, scope)
 
     def _call_concurrently(self, messages: Sequence[MessageExt]) -> BatchResult:
-        if not messages:
-            return BatchResult(0)
-        listener = self._concurrently
-        assert listener is not None
-        context = ConsumeConcurrentlyContext()
-        reason = "RECONSUME_LATER"
-        try:
-            raw = listener(messages, context)
-            status = ConsumeConcurrentlyStatus(raw) if raw is not None else \
-                ConsumeConcurrentlyStatus.RECONSUME_LATER
-        except Exception as exc:  # the listener's own failure: RECONSUME_LATER, as RocketMQ
-            log.warning("listener failed on %d message(s)", len(messages), exc_info=True)
-            status = ConsumeConcurrentlyStatus.RECONSUME_LATER
-            reason = f"{type(exc).__name__}: {exc}"
-        return BatchResult.from_concurrently(len(messages), status, context, reason)
+        assert self._concurrently is not None
+        return invoke_concurrently(self._concurrently, messages)
 
     def _call_orderly(self, messages: Sequence[MessageExt]) -> BatchResult:
-        if not messages:
-            return BatchResult(0)
-        listener = self._orderly
-        assert listener is not None
-        context = ConsumeOrderlyContext()
-        reason = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
-        try:
-            raw = listener(messages, context)
-            status = ConsumeOrderlyStatus(raw) if raw is not None else \
-                ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
-        except Exception as exc:
-            log.warning("orderly listener failed on %d message(s)", len(messages), exc_info=True)
-            status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
-            reason = f"{type(exc).__name__}: {exc}"
-        return BatchResult.from_orderly(len(messages), status, context, reason)
+        assert self._orderly is not None
+        return invoke_orderly(self._orderly, messages)
 
     # -- offsets -------------------------------------------------------------------------
 

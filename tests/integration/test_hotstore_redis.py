@@ -77,7 +77,7 @@ def test_a_user_without_config_rights_gets_a_warning(
     policy.acl_setuser(
         user, enabled=True, passwords=["+secret"], keys=["*"], commands=["+@all", "-config"]
     )
-    limited = redis.Redis(port=redis_server.port, username=user, password="secret")  # noqa: S106
+    limited = redis.Redis(port=redis_server.port, username=user, password="secret")
     try:
         with caplog.at_level(logging.WARNING, logger="idem.hotstore"):
             _store(limited).check_eviction_policy()

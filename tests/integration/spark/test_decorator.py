@@ -24,6 +24,7 @@ from idem.spark.decorator import ExactlyOnce, exactly_once
 from idem.spark.delta_sink import delta_sink
 from idem.spark.faults import CrashPlan, CrashPoint, SimulatedCrash
 from idem.spark.retry_source import retry_stream
+from idem.spark.rows import RowCodec
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -192,4 +193,58 @@ def test_a_completed_key_with_a_different_payload_is_dead_lettered_when_asked(
     [letter] = dead_letters(config)
     assert letter.key == "A"
     assert "payload_mismatch" in (letter.last_error or "")
+    assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1}
+
+
+def test_a_fresh_copy_and_its_retry_in_one_batch_keep_the_retry_chain_going(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "chain", max_reconsume_times=3)
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(Recorder(fail={"P"}))
+    sink.query_id = "q"
+    sink.process(_df(spark, "P"), 0)  # fails: P waits on its first retry
+    engine = RetryEngine(config, client=real_redis)
+    due = engine.next_due_ms()
+    assert due is not None
+    engine.clock.sleep(max(0, due - engine.clock.now_ms()) / 1000 + 0.05)
+    engine.tick()
+    [retried] = engine.poll_retry("test", 10)
+    codec = RowCodec(SCHEMA)
+    retry_schema = st.StructType(
+        [*SCHEMA.fields, st.StructField("reconsume_times", st.IntegerType()),
+         st.StructField("_idem_message", st.StringType())]
+    )  # fmt: skip
+    rows = [
+        (*_rows("P")[0], None, None),  # the message delivered again by the source
+        (*codec.decode(retried.body), retried.reconsume_times, retried.to_wire()),
+    ]
+    outcome = sink.process(spark.createDataFrame(rows, retry_schema), 1)
+
+    assert outcome.failed_keys == ("P",)
+    assert outcome.duplicates == {"in_batch": 1}
+    # The retry (reconsume_times 1) was kept and sent back as the chain's next message.
+    assert engine.pending() == 1
+    assert outcome.retried_by_level == {3: 1}
+
+
+def test_a_replay_that_accepts_a_row_the_first_attempt_rejected_still_writes_it(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Spark replays a batch under the same id; the sink's verdicts may differ the second time."""
+    config = config_for(tmp_path, redis_server.url, "verdicts")
+    calls: list[int] = []
+
+    def fail_a_once(fresh: DataFrame, batch_id: int) -> list[str]:
+        calls.append(batch_id)
+        return ["A"] if len(calls) == 1 else []
+
+    sink = delta_sink(
+        str(tmp_path / "orders"), key="order_id", config=config, client=real_redis,
+        validate=fail_a_once,
+    )  # fmt: skip
+    sink.query_id = "q"
+    sink.crash_plan = CrashPlan(CrashPoint.AFTER_COMMIT, 0)  # B committed, A not yet sent back
+    with pytest.raises(SimulatedCrash):
+        sink.process(_df(spark, "A", "B"), 0)
+    sink.process(_df(spark, "A", "B"), 0)
     assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1}
