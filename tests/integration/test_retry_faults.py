@@ -101,10 +101,14 @@ def test_redis_killed_and_restarted_during_1000_send_backs_loses_nothing(
     to_resubmit: list[MessageExt] = []
     expected: set[str] = set()
 
+    outage_seen = threading.Event()
+
     def chaos() -> None:
         time.sleep(0.3)
         aof_server.kill()
-        time.sleep(0.5)
+        # Stay down until a caller has run into the outage (the client's own bounded
+        # retries can outlast a short one on a loaded machine), at most 10 s.
+        outage_seen.wait(timeout=10)
         aof_server.start()
 
     killer = threading.Thread(target=chaos)
@@ -114,6 +118,8 @@ def test_redis_killed_and_restarted_during_1000_send_backs_loses_nothing(
         expected |= {m.msg_id for m in batch}
         result = engine.send_back(batch)
         outcomes.update((o.msg_id, o.status) for o in result.outcomes)
+        if any(o.status is not SendBackStatus.SCHEDULED for o in result.outcomes):
+            outage_seen.set()
         to_resubmit += [m for m, o in zip(batch, result.outcomes, strict=True)
                         if o.status is SendBackStatus.RESUBMIT_LATER]
         time.sleep(0.02)
