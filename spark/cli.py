@@ -116,7 +116,8 @@ def _run(args: argparse.Namespace) -> int:
         msg_id_field=args.msg_id_field,
         timeout_seconds=args.timeout,
     )
-    pipeline = Pipeline(local_session(f"idem-run-{config.group}"), config, spec, client=client)
+    session = local_session(f"idem-run-{config.group}", conf=_spark_conf(args.spark_conf))
+    pipeline = Pipeline(session, config, spec, client=client)
     try:
         report = pipeline.run()
     finally:
@@ -127,6 +128,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.check and report.sink is not None and not report.sink.exactly_once:
         return EXIT_CHECK_FAILED
     return EXIT_OK
+
+
+def _spark_conf(pairs: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs or ():
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(f"--spark-conf: {pair!r} must look like KEY=VALUE")
+        out[name.strip()] = value
+    return out
 
 
 # -- idem dlq ----------------------------------------------------------------------------------
@@ -282,6 +293,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.add_argument("--timeout", type=float, help="stop after this many seconds (continuous)")
     run.add_argument("--report-json", help="also write the report as JSON to this file")
+    run.add_argument(
+        "--spark-conf",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a Spark setting for the local session (repeatable)",
+    )
     run.add_argument(
         "--check", action="store_true", help="exit 4 if the Delta sink holds a key twice"
     )

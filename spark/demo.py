@@ -197,7 +197,7 @@ def run_demo(
             f"{max_reconsume_times}; starting local Spark",
             file=out,
         )
-        spark = local_session("idem-demo", log_level="FATAL")
+        spark = local_session("idem-demo", log_level="FATAL", fast_start=True)
         crash = CrashPlan(CrashPoint.AFTER_COMMIT, crash_after_batch) if crash_after_batch else None
         pipeline = Pipeline(spark, config, spec, sink_fn=DemoSink(data), crash_plan=crash)
         try:

@@ -27,6 +27,7 @@ import pytest
 from deltalake import DeltaTable
 
 from idem.redis_server import RedisServer
+from idem.spark.session import FAST_START_JAVA_OPTIONS
 
 pytestmark = [pytest.mark.scenarios, pytest.mark.spark]
 
@@ -70,6 +71,7 @@ def _idem_run(
         "--available-now", "--max-files-per-trigger", "1",
         "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
         "--report-json", str(tmp / "report.json"),
+        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
         *sink_args,
     ]  # fmt: skip
     full_env = {**os.environ, **(env or {})}

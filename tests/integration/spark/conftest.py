@@ -13,6 +13,6 @@ from idem.spark.session import local_session
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """The shared local Spark session (UI off, 2 shuffle partitions, UTC)."""
-    session = local_session("idem-tests")
+    session = local_session("idem-tests", fast_start=True)
     yield session
     session.stop()
