@@ -12,6 +12,7 @@ orders and bad rows in ``%DLQ%<group>``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import sys
 import tempfile
@@ -199,6 +200,9 @@ def run_demo(
         )
         spark = local_session("idem-demo", log_level="FATAL", fast_start=True)
         crash = CrashPlan(CrashPoint.AFTER_COMMIT, crash_after_batch) if crash_after_batch else None
+        if crash is not None:
+            # py4j logs the staged failure with a traceback; the demo says what happened.
+            logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
         pipeline = Pipeline(spark, config, spec, sink_fn=DemoSink(data), crash_plan=crash)
         try:
             try:
