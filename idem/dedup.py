@@ -90,23 +90,9 @@ class Dedup:
         prints = tuple(fingerprints) if fingerprints is not None else ("",) * size
         if len(prints) != size:
             raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
-        normalised: list[str | None] = [None] * size
-        invalid: list[Invalid] = []
-        duplicates: dict[int, DuplicateCause] = {}
-        first: dict[str, int] = {}
-        limit = self.config.max_key_bytes
-        for i in order if order is not None else range(size):
-            try:
-                key = validate_key(keys[i], field=field, max_bytes=limit)
-            except InvalidKey as exc:
-                invalid.append(Invalid(i, exc.field, exc.reason, str(exc)))
-                continue
-            normalised[i] = key
-            if key in first:
-                duplicates[i] = DuplicateCause.IN_BATCH
-            else:
-                first[key] = i
-
+        normalised, invalid, duplicates, first = _normalise(
+            keys, order if order is not None else range(size), field, self.config.max_key_bytes
+        )
         grouped = group_by_bucket(first, self.config.buckets)
         result, version = self._claim_indexed(grouped, owner)
         claimed = set(result.claimed)
@@ -128,6 +114,7 @@ class Dedup:
                 if stored and prints[i] and stored != prints[i]:
                     mismatched.append(i)
         retaken_keys = set(result.retaken)
+        reclaimed_keys = set(result.reclaimed)
         claim = BatchClaim(
             owner=owner,
             keys=tuple(normalised),
@@ -139,6 +126,7 @@ class Dedup:
             mismatched=tuple(sorted(mismatched)),
             retaken=tuple(i for i in sorted(fresh) if normalised[i] in retaken_keys),
             ledger_version=version,
+            reclaimed=tuple(i for i in sorted(fresh) if normalised[i] in reclaimed_keys),
         )
         if claim.mismatched and self.config.mismatch_policy is MismatchPolicy.WARN:
             log.warning(
@@ -154,6 +142,7 @@ class Dedup:
         """Claim after making sure every touched bucket indexes the ledger (DESIGN §1 step 3)."""
         claimed: list[str] = []
         retaken: list[str] = []
+        reclaimed: list[str] = []
         dups: dict[str, str] = {}
         busy: list[str] = []
         pending: Mapping[int, Sequence[str]] = grouped
@@ -165,6 +154,7 @@ class Dedup:
             result = self.hot.claim(pending, owner, min_version=version)
             claimed += result.claimed
             retaken += result.retaken
+            reclaimed += result.reclaimed
             dups.update(result.duplicates)
             busy += result.busy
             # Only the keys a stale bucket did not examine are tried again; the others
@@ -181,6 +171,7 @@ class Dedup:
             duplicates=dups,
             busy=busy,
             stale_buckets=frozenset(),
+            reclaimed=reclaimed,
         )
         return merged, version
 
@@ -284,7 +275,12 @@ class Dedup:
         keys = [claim.keys[i] or "" for i in indices]
         now = self.clock.now_ms()
         rows = self._ledger_rows(
-            claim, indices=indices, keys=keys, batch_id=batch_id, now_ms=now, meta=meta,
+            claim,
+            indices=indices,
+            keys=keys,
+            batch_id=batch_id,
+            now_ms=now,
+            meta=meta,
             results=results,
         )
         if payload is not None:
@@ -296,16 +292,24 @@ class Dedup:
                 rows = rows.append_column(payload.schema.field(name), payload.column(name))
         strict = self.config.mode is DedupMode.STRICT
         window = self.config.dedup_window_ms if strict else 2 * self.config.lease_ms
+        app = app_id or f"idem:{self.config.group}:{claim.owner}"
         result = self.ledger.commit(
-            rows,
-            app_id=app_id or f"idem:{self.config.group}:{claim.owner}",
-            txn_version=batch_id,
-            match_since_ms=now - window,
+            rows, app_id=app, txn_version=batch_id, match_since_ms=now - window
         )
+        if result.replayed:
+            return self._complete_replayed(
+                claim,
+                indices,
+                keys,
+                now=now,
+                batch_id=batch_id,
+                app_id=app,
+                meta=meta,
+                payload=payload,
+                results=results,
+            )
         prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
         grouped = group_by_bucket(keys, self.config.buckets)
-        # A replay committed nothing new: the keys are in the ledger already, index them
-        # without moving the watermark (-2 never advances it).
         version = result.version if result.version is not None else -2
         done = self.hot.complete(grouped, claim.owner, prints, version=version, completed_at_ms=now)
         if result.already_present:
@@ -320,6 +324,64 @@ class Dedup:
             slipped=tuple(result.already_present),
             fenced=tuple(done.fenced),
             replayed=result.replayed,
+        )
+
+    def _complete_replayed(
+        self,
+        claim: BatchClaim,
+        indices: Sequence[int],
+        keys: Sequence[str],
+        *,
+        now: int,
+        batch_id: int,
+        app_id: str,
+        meta: pa.Table | None,
+        payload: pa.Table | None,
+        results: Mapping[int, str] | None,
+    ) -> CommitOutcome:
+        """The batch's txn was committed before (a replay): complete only what the ledger holds.
+
+        A replay may succeed for rows that failed the first time; those are not in
+        the earlier commit, so they are committed now under a txn of their own.
+        Marking them COMPLETED in Redis without a ledger row would lose them.
+        """
+        present = self.ledger.existing(keys, since_ms=now - self.config.dedup_window_ms)
+        held = [(i, k) for i, k in zip(indices, keys, strict=True) if k in present]
+        missing = [i for i, k in zip(indices, keys, strict=True) if k not in present]
+        fenced: list[str] = []
+        if held:
+            grouped = group_by_bucket([k for _, k in held], self.config.buckets)
+            prints = {k: claim.fingerprints[i] for i, k in held}
+            # -2 never moves a watermark: the keys were indexed with their own version.
+            fenced = self.hot.complete(
+                grouped, claim.owner, prints, version=-2, completed_at_ms=now
+            ).fenced
+        if not missing:
+            return CommitOutcome(version=None, committed=0, fenced=tuple(fenced), replayed=True)
+        log.warning(
+            "batch %d was committed before without %d key(s) that succeeded now; committing them",
+            batch_id,
+            len(missing),
+        )
+        rows = None
+        if payload is not None:
+            position = {i: n for n, i in enumerate(indices)}
+            rows = payload.take(pa.array([position[i] for i in missing], pa.int64()))
+        late = self.complete(
+            claim,
+            succeeded=missing,
+            batch_id=batch_id,
+            app_id=f"{app_id}:late:{now}",
+            meta=meta,
+            payload=rows,
+            results=results,
+        )
+        return CommitOutcome(
+            version=late.version,
+            committed=late.committed,
+            slipped=late.slipped,
+            fenced=tuple(fenced) + late.fenced,
+            replayed=True,
         )
 
     def release(self, claim: BatchClaim, indices: Iterable[int] | None = None) -> int:
@@ -363,11 +425,38 @@ class Dedup:
             "fingerprint": pa.array([claim.fingerprints[i] for i in indices], pa.string()),
             "completed_at": pa.array([at] * size, pa.timestamp("us", tz="UTC")),
             "completed_date": pa.array([at.date()] * size, pa.date32()),
-            "result": pa.array(
-                [results.get(i) if results else None for i in indices], pa.string()
-            ),
+            "result": pa.array([results.get(i) if results else None for i in indices], pa.string()),
         }
         return pa.table(columns)
+
+
+def _normalise(
+    keys: Sequence[object], order: Iterable[int], field: str, limit: int
+) -> tuple[list[str | None], list[Invalid], dict[int, DuplicateCause], dict[str, int]]:
+    """Validate every key (DESIGN §1 step 1): normalised keys, invalid rows, in-batch
+    duplicates (the first occurrence in ``order`` wins) and ``{key: first row}``."""
+    normalised: list[str | None] = [None] * len(keys)
+    invalid: list[Invalid] = []
+    duplicates: dict[int, DuplicateCause] = {}
+    first: dict[str, int] = {}
+    short = limit // 4  # a str of at most this many characters fits in any encoding
+    for i in order:
+        value = keys[i]
+        # The common case, inline: a non-blank str that fits the limit however encoded.
+        if type(value) is str and 0 < len(value) <= short and not value.isspace():
+            key = value
+        else:
+            try:
+                key = validate_key(value, field=field, max_bytes=limit)
+            except InvalidKey as exc:
+                invalid.append(Invalid(i, exc.field, exc.reason, str(exc)))
+                continue
+        normalised[i] = key
+        if key in first:
+            duplicates[i] = DuplicateCause.IN_BATCH
+        else:
+            first[key] = i
+    return normalised, invalid, duplicates, first
 
 
 def _split_by_bucket(

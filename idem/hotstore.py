@@ -3,9 +3,18 @@
 Redis is an index over the Delta ledger. Every bucket of a group has its own hash
 tag, so a bucket lives in one Redis Cluster slot::
 
-    idem:{<group>:<bucket>}:k:<key>  P|<owner>|<lease_until_ms>|<attempt>  IN_PROGRESS
-                                     C|<fingerprint>|<completed_at_ms>     COMPLETED (PX = window)
-    idem:{<group>:<bucket>}:wm       watermark: every ledger version <= it is indexed here
+    idem:{<group>:<bucket>}:k:<key>            P|<owner>|<lease_until_ms>|<attempt>  a claim
+    idem:{<group>:<bucket>}:c:<window>:<gen>   hash: <key> -> <fingerprint>|<completed_at_ms>
+    idem:{<group>:<bucket>}:wm                 "<version>|<window>": every ledger version
+                                               <= version is indexed here, for this window
+
+COMPLETED keys live in generation hashes (``gen = completed_at // window``, TTL to
+the end of the next generation), so a key is COMPLETED exactly while
+``completed_at + window > now`` and the current and previous generations hold every
+live one. Claims and completions of a whole chunk then cost a few C-level
+commands (HMGET, HSET, MGET, DEL) instead of one command per key, the keyspace
+does not grow with the window (millions of TTL'd top-level keys make every
+Redis command slower), and the index takes about half the memory.
 
 A missing watermark means the bucket's index is unknown (FLUSHALL, empty restart):
 claims there answer "stale", never "new", until :meth:`RedisHotStore.index_completed`
@@ -68,8 +77,9 @@ _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
 def _load_script(client: redis.Redis, name: str) -> Script:
-    text = resources.files("idem").joinpath("lua", name).read_text(encoding="utf-8")
-    return client.register_script(text)
+    folder = resources.files("idem").joinpath("lua")
+    prelude = folder.joinpath("_prelude.lua").read_text(encoding="utf-8")
+    return client.register_script(prelude + folder.joinpath(name).read_text(encoding="utf-8"))
 
 
 def _text(value: bytes | str) -> str:
@@ -121,6 +131,7 @@ class RedisHotStore:
         self.clock = clock
         tags = [f"idem:{{{group}:{bucket}}}" for bucket in range(buckets)]
         self._prefix = [f"{tag}:k:" for tag in tags]
+        self._window = str(completed_ttl_ms)
         self._wm = [f"{tag}:wm" for tag in tags]
         self._tags = tags
         self._claim = _load_script(client, "claim.lua")
@@ -204,13 +215,13 @@ class RedisHotStore:
         self._owner(owner)
         gc_ms = self.lease_ms + self.completed_ttl_ms  # abandoned claims do not live forever
         head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), str(gc_ms)]
-        head_tail.append(_version("min_version", min_version))
+        head_tail += [_version("min_version", min_version), self._window]
         pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[int, list[str]]] = []
         for bucket, given in keys_by_bucket.items():
             self._bucket(bucket)
             keys = given if isinstance(given, list) else list(given)
-            head = [self._prefix[bucket], *head_tail]
+            head = [self._tags[bucket], *head_tail]
             routing = [self._wm[bucket]]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
@@ -274,9 +285,7 @@ class RedisHotStore:
             self._bucket(bucket)
         now = self.clock.now_ms()
         at = now if completed_at_ms is None else completed_at_ms
-        px = max(at + self.completed_ttl_ms - now, 1)
-        head_tail = [owner, str(now), str(px), str(at), _version("version", version)]
-        head_tail.append(str(self.completed_ttl_ms))
+        head_tail = [owner, str(now), "0", str(at), _version("version", version), self._window]
         token = uuid.uuid4().hex
         pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
@@ -289,7 +298,7 @@ class RedisHotStore:
             if "|" in "".join(prints):
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
             routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{token}"]
-            head = [self._prefix[bucket], *head_tail]
+            head = [self._tags[bucket], *head_tail]
             for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
                 self._complete(keys=routing, args=args, client=pipe)
                 plan.append((bucket, keys, offset, decides))
@@ -318,7 +327,7 @@ class RedisHotStore:
         calls = 0
         for bucket, keys in keys_by_bucket.items():
             self._bucket(bucket)
-            head = [self._prefix[bucket], owner]
+            head = [self._tags[bucket], owner]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
                 self._release(keys=[self._wm[bucket]], args=head + list(chunk), client=pipe)
@@ -330,24 +339,47 @@ class RedisHotStore:
     # -- reads -------------------------------------------------------------------------
 
     def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
-        """The stored state of each key (``ABSENT`` when Redis holds nothing)."""
+        """The stored state of each key (``ABSENT`` when Redis holds nothing).
+
+        A key COMPLETED within the window wins over any claim left on it.
+        """
+        now = self.clock.now_ms()
+        gen = now // self.completed_ttl_ms
         pipe = self.client.pipeline(transaction=False)
         plan: list[Sequence[str]] = []
         for bucket, keys in keys_by_bucket.items():
-            prefix = self._prefix[self._bucket(bucket)]
+            tag = self._tags[self._bucket(bucket)]
+            hashes = [f"{tag}:c:{self._window}:{g}" for g in (gen, gen - 1)]
             for start in range(0, len(keys), CLAIM_CHUNK):
-                chunk = keys[start : start + CLAIM_CHUNK]
-                pipe.mget([prefix + key for key in chunk])
+                chunk = list(keys[start : start + CLAIM_CHUNK])
+                for name in hashes:
+                    pipe.hmget(name, chunk)
+                pipe.mget([f"{tag}:k:{key}" for key in chunk])
                 plan.append(chunk)
         replies = self._run(pipe, "lookup") if plan else []
         states: dict[str, KeyState] = {}
-        for chunk, values in zip(plan, replies, strict=True):
-            for key, value in zip(chunk, values, strict=True):
-                states[key] = ABSENT if value is None else _parse_state(_text(value))
+        for n, asked in enumerate(plan):
+            cur, prev, claims = replies[3 * n : 3 * n + 3]
+            for key, *values in zip(asked, cur, prev, claims, strict=True):
+                states[key] = self._state(now, *values)
         return states
 
+    def _state(self, now: int, cur: Any, prev: Any, claim: Any) -> KeyState:
+        for stored in (cur, prev):
+            if stored is not None:
+                fingerprint, _, at = _text(stored).rpartition("|")
+                if int(at) + self.completed_ttl_ms > now:
+                    return KeyState(
+                        KeyStatus.COMPLETED, fingerprint=fingerprint, completed_at_ms=int(at)
+                    )
+        return ABSENT if claim is None else _parse_claim(_text(claim))
+
     def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
-        """Each bucket's watermark: the ledger version it has indexed, ``None`` if unknown."""
+        """Each bucket's watermark: the ledger version it has indexed, ``None`` if unknown.
+
+        A watermark written for another dedup window counts as unknown (the index
+        is rebuilt for ours): every process of a group should use one window.
+        """
         wanted = (
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
@@ -355,10 +387,20 @@ class RedisHotStore:
         for bucket in wanted:
             pipe.get(self._wm[bucket])
         replies = self._run(pipe, "watermarks") if wanted else []
-        return {
-            bucket: None if value is None else int(value)
-            for bucket, value in zip(wanted, replies, strict=True)
-        }
+        marks: dict[int, int | None] = {}
+        for bucket, value in zip(wanted, replies, strict=True):
+            version, _, window = ("" if value is None else _text(value)).partition("|")
+            if value is not None and window != self._window:
+                log.warning(
+                    "bucket %d of group %r was indexed for a dedup window of %s ms, "
+                    "this process uses %s ms: rebuilding it",
+                    bucket,
+                    self.group,
+                    window or "?",
+                    self._window,
+                )
+            marks[bucket] = int(version) if value is not None and window == self._window else None
+        return marks
 
     # -- the ledger index --------------------------------------------------------------
 
@@ -393,9 +435,9 @@ class RedisHotStore:
             raise ValueError("fingerprints: a fingerprint must not contain '|'")
         routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{uuid.uuid4().hex}"]
         head = [
-            self._prefix[bucket],
+            self._tags[bucket],
             str(self.clock.now_ms()),
-            str(self.completed_ttl_ms),
+            self._window,
             _version("to_version", to_version),
             "" if from_version is None else _version("from_version", from_version),
         ]
@@ -440,10 +482,7 @@ def _calls(
     yield [*head, "end", str(len(starts))], total, True
 
 
-def _parse_state(value: str) -> KeyState:
-    if value.startswith("C|"):
-        fingerprint, _, at = value[2:].rpartition("|")
-        return KeyState(KeyStatus.COMPLETED, fingerprint=fingerprint, completed_at_ms=int(at))
+def _parse_claim(value: str) -> KeyState:
     if value.startswith("P|"):
         owner, lease_until, attempt = value[2:].split("|")
         return KeyState(

@@ -39,6 +39,7 @@ class BatchCounts:
     invalid: int
     mismatched: int
     retaken: int
+    reclaimed: int = 0
     duplicates_by_cause: dict[str, int] = field(default_factory=dict)
 
 
@@ -49,8 +50,11 @@ class BatchClaim:
     ``keys[i]`` is the normalised key of row ``i`` (``None`` when invalid).
     ``fresh`` rows are claimed by ``owner`` and must be completed or released.
     ``retaken`` is the subset of ``fresh`` this owner had claimed before (a
-    replayed batch). ``mismatched`` are duplicates whose payload fingerprint
-    differs from the completed one.
+    replayed batch); ``reclaimed`` the subset taken over from another owner
+    whose lease had expired (that owner may have run the sink for it already).
+    Both are possible repeats for a sink that is not the ledger.
+    ``mismatched`` are duplicates whose payload fingerprint differs from the
+    completed one.
     """
 
     owner: str
@@ -63,6 +67,7 @@ class BatchClaim:
     mismatched: tuple[int, ...] = ()
     retaken: tuple[int, ...] = ()
     ledger_version: int = -1
+    reclaimed: tuple[int, ...] = ()
 
     @property
     def counts(self) -> BatchCounts:
@@ -76,6 +81,7 @@ class BatchClaim:
             invalid=len(self.invalid),
             mismatched=len(self.mismatched),
             retaken=len(self.retaken),
+            reclaimed=len(self.reclaimed),
             duplicates_by_cause=dict(by_cause),
         )
 

@@ -1,16 +1,16 @@
 -- idem: mark keys of ONE bucket COMPLETED after their ledger commit, with fencing,
 -- and advance the bucket's watermark.
 --
--- KEYS[1]  watermark key of the bucket     idem:{<group>:<bucket>}:wm
+-- KEYS[1]  watermark of the bucket     idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
 -- KEYS[2]  session key of a multi-call completion  idem:{<group>:<bucket>}:s:<token>
 --          (used by modes 'part' and 'end' only)
--- ARGV[1]  key prefix of the bucket        idem:{<group>:<bucket>}:k:
+-- ARGV[1]  hash tag of the bucket      idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms (caller's clock)
--- ARGV[4]  px_ms: TTL of the COMPLETED values (completed_at + dedup window - now, >= 1)
+-- ARGV[4]  (unused, kept for the argument layout)
 -- ARGV[5]  completed_at_ms
 -- ARGV[6]  version: the ledger version that holds these keys
--- ARGV[7]  window_ms: the dedup window (to restore a fenced claim's TTL)
+-- ARGV[7]  window_ms: the dedup window
 -- ARGV[8]  mode:
 --            'all'  the whole bucket in this call: write, then advance the watermark
 --            'part' one chunk of a bigger bucket: write, count the chunk (and any
@@ -22,48 +22,73 @@
 -- ARGV[10..9+n]     n business keys
 -- ARGV[10+n..9+2n]  their fingerprints (no '|')
 --
--- Per key: COMPLETED is written when the key is absent, claimed by this owner,
--- claimed by anyone whose lease has expired, or already COMPLETED (the latest
--- completion sets the window, as in index.lua); a key another owner holds with a
--- live lease is fenced: its claim is left as it was. (The common case costs one
--- SET ... GET; a fenced claim is put back with its own TTL, lease_until + window - now,
--- inside the same atomic call, so nobody sees the overwrite.)
--- The watermark moves to max(wm, version) only if it exists, wm >= version - 1 and
--- no key of the bucket was fenced.
+-- Per key (see claim.lua for the layout): the key becomes COMPLETED — field
+-- <key> = <fingerprint>|<completed_at> in the generation hash of completed_at,
+-- whose TTL runs to the end of the next generation — and its claim is deleted,
+-- when the claim is absent, this owner's, or another owner's with an expired
+-- lease. A key another owner holds with a live lease is fenced: nothing is
+-- written for it. Three C-level calls per chunk (MGET, HSET, DEL), none per key.
+-- The watermark moves to max(wm, version) only if it exists for this window,
+-- wm >= version - 1 and no key of the bucket was fenced.
+--
+-- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {codes, advanced}: codes has one character per key, in order:
---   C  written COMPLETED     A  was COMPLETED already (rewritten)     F  fenced
+--   C  written COMPLETED     F  fenced
 -- advanced is 1 when the watermark now covers version, else 0.
 
 local mode = ARGV[8]
 local fenced = false
 local codes = {}
+local now = tonumber(ARGV[3])
+local window = ARGV[7]
+local width = tonumber(window)
 
-if mode ~= 'end' then
-  local prefix = ARGV[1]
+if mode ~= 'end' and #ARGV > 9 then
+  local tag = ARGV[1]
+  local claims = tag .. ':k:'
   local own = 'P|' .. ARGV[2] .. '|'
-  local now = tonumber(ARGV[3])
-  local px = ARGV[4]
+  local at = tonumber(ARGV[5])
   local tail = '|' .. ARGV[5]
-  local window = tonumber(ARGV[7])
   local n = (#ARGV - 9) / 2
-  for i = 10, 9 + n do
-    local name = prefix .. ARGV[i]
-    local value = redis.call('SET', name, 'C|' .. ARGV[i + n] .. tail, 'PX', px, 'GET')
-    if not value or string.find(value, own, 1, true) == 1 then
-      codes[#codes + 1] = 'C'
-    elseif string.byte(value, 1) == 67 then -- 'C'
-      codes[#codes + 1] = 'A'
-    else
+  local names = {}
+  for j = 1, n do
+    names[j] = claims .. ARGV[j + 9]
+  end
+  local values = gathered(names, function(...) return redis.call('MGET', ...) end)
+  local fields = {}
+  local drop = {}
+  for j = 1, n do
+    local value = values[j]
+    local mine = true
+    if value and string.find(value, own, 1, true) ~= 1 then
       local until_ms = tonumber(string.match(value, '^P|[^|]*|(%d+)|'))
-      if until_ms and until_ms > now then
-        redis.call('SET', name, value, 'PX', string.format('%d', until_ms - now + window))
-        fenced = true
-        codes[#codes + 1] = 'F'
-      else
-        codes[#codes + 1] = 'C'
+      if until_ms == nil then
+        return redis.error_reply('idem: unrecognised value at ' .. names[j])
       end
+      mine = until_ms <= now
     end
+    if mine then
+      codes[j] = 'C'
+      fields[#fields + 1] = ARGV[j + 9]
+      fields[#fields + 1] = ARGV[j + 9 + n] .. tail
+      if value then
+        drop[#drop + 1] = names[j]
+      end
+    else
+      codes[j] = 'F'
+      fenced = true
+    end
+  end
+  local gen = math.floor(at / width)
+  local px = (gen + 2) * width - now
+  if #fields > 0 and px > 0 then
+    local hash = tag .. ':c:' .. window .. ':' .. gen
+    sliced(fields, function(...) redis.call('HSET', hash, ...) end)
+    redis.call('PEXPIRE', hash, string.format('%d', px))
+  end
+  if #drop > 0 then
+    sliced(drop, function(...) redis.call('DEL', ...) end)
   end
 end
 
@@ -91,12 +116,16 @@ local wm = redis.call('GET', KEYS[1])
 if not wm then
   return {table.concat(codes), 0}
 end
-wm = tonumber(wm)
-if wm >= version then
-  return {table.concat(codes), 1}
-end
-if wm < version - 1 then
+local indexed, indexed_window = string.match(wm, '^(%-?%d+)|(%d+)$')
+if not indexed or indexed_window ~= window then
   return {table.concat(codes), 0}
 end
-redis.call('SET', KEYS[1], ARGV[6])
+indexed = tonumber(indexed)
+if indexed >= version then
+  return {table.concat(codes), 1}
+end
+if indexed < version - 1 then
+  return {table.concat(codes), 0}
+end
+redis.call('SET', KEYS[1], ARGV[6] .. '|' .. window)
 return {table.concat(codes), 1}

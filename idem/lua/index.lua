@@ -1,11 +1,11 @@
 -- idem: load keys of ONE bucket from the Delta ledger as COMPLETED (catch-up or
 -- rebuild of the Redis index), then move the bucket's watermark.
 --
--- KEYS[1]  watermark key of the bucket     idem:{<group>:<bucket>}:wm
+-- KEYS[1]  watermark of the bucket         idem:{<group>:<bucket>}:wm  "<version>|<window_ms>"
 -- KEYS[2]  session key of a multi-call load  idem:{<group>:<bucket>}:s:<token>
--- ARGV[1]  key prefix of the bucket        idem:{<group>:<bucket>}:k:
+-- ARGV[1]  hash tag of the bucket          idem:{<group>:<bucket>}
 -- ARGV[2]  now_ms (caller's clock)
--- ARGV[3]  window_ms: the dedup window (TTL of a COMPLETED key from its completion)
+-- ARGV[3]  window_ms: the dedup window
 -- ARGV[4]  to_version: every ledger version <= it is in this load (with what was
 --          indexed before)
 -- ARGV[5]  from_version: the load holds versions (from_version, to_version]; an
@@ -18,40 +18,62 @@
 -- ARGV[8+n..7+2n]     their fingerprints
 -- ARGV[8+2n..7+3n]    their completed_at_ms
 --
--- A key is written COMPLETED with PX = completed_at + window - now, so the window
--- stays exact; a key already past its window is skipped. An IN_PROGRESS claim is
--- overwritten (the ledger is the truth); a COMPLETED value completed at the same
--- time or later is kept (the latest completion sets the window).
--- The watermark becomes max(wm, to_version) if (rebuild and wm missing) or
--- (wm exists and wm >= from_version).
+-- A key goes into the generation hash of its completed_at (layout in claim.lua);
+-- a key already past its window is skipped; a value of the same generation
+-- completed at the same time or later is kept (the latest completion sets the
+-- window). Claims are not touched: a COMPLETED key wins over any claim.
+-- The watermark becomes "<max(wm, to_version)>|<window>" if (rebuild and the wm
+-- is missing or written for another window) or (the wm exists for this window
+-- and wm >= from_version).
+--
+-- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {written, advanced}: keys written, and 1 if the watermark now covers
 -- to_version (else 0).
 
 local mode = ARGV[6]
+local window = ARGV[3]
 local written = 0
 
-if mode ~= 'end' then
-  local prefix = ARGV[1]
+if mode ~= 'end' and #ARGV > 7 then
+  local tag = ARGV[1]
   local now = tonumber(ARGV[2])
-  local window = tonumber(ARGV[3])
+  local width = tonumber(window)
   local n = (#ARGV - 7) / 3
+  local by_gen = {}
   for i = 8, 7 + n do
     local at = tonumber(ARGV[i + 2 * n])
-    local px = at + window - now
-    if px > 0 then
-      local name = prefix .. ARGV[i]
-      local value = redis.call('GET', name)
-      local keep = false
-      if value and string.byte(value, 1) == 67 then -- 'C'
-        local stored_at = tonumber(string.match(value, '|(%d+)$'))
-        keep = stored_at ~= nil and stored_at >= at
+    if at + width > now then
+      local gen = math.floor(at / width)
+      local list = by_gen[gen]
+      if not list then
+        list = {}
+        by_gen[gen] = list
       end
-      if not keep then
-        redis.call('SET', name, 'C|' .. ARGV[i + n] .. '|' .. ARGV[i + 2 * n],
-          'PX', string.format('%d', px))
-        written = written + 1
+      list[#list + 1] = i
+    end
+  end
+  for gen, list in pairs(by_gen) do
+    local hash = tag .. ':c:' .. window .. ':' .. gen
+    local names = {}
+    for j = 1, #list do
+      names[j] = ARGV[list[j]]
+    end
+    local stored = gathered(names, function(...) return redis.call('HMGET', hash, ...) end)
+    local fields = {}
+    for j = 1, #list do
+      local i = list[j]
+      local at = tonumber(ARGV[i + 2 * n])
+      local old = stored[j] and tonumber(string.match(stored[j], '|(%d+)$'))
+      if not (old and old >= at) then
+        fields[#fields + 1] = ARGV[i]
+        fields[#fields + 1] = ARGV[i + n] .. '|' .. ARGV[i + 2 * n]
       end
+    end
+    if #fields > 0 then
+      sliced(fields, function(...) redis.call('HSET', hash, ...) end)
+      redis.call('PEXPIRE', hash, string.format('%d', (gen + 2) * width - now))
+      written = written + #fields / 2
     end
   end
 end
@@ -71,17 +93,22 @@ if mode == 'end' then
 end
 
 local to_version = tonumber(ARGV[4])
+local rebuild = ARGV[5] == ''
 local wm = redis.call('GET', KEYS[1])
+local indexed, indexed_window
 if wm then
-  wm = tonumber(wm)
-  if ARGV[5] ~= '' and wm < tonumber(ARGV[5]) then
+  indexed, indexed_window = string.match(wm, '^(%-?%d+)|(%d+)$')
+end
+if indexed and indexed_window == window then
+  indexed = tonumber(indexed)
+  if not rebuild and indexed < tonumber(ARGV[5]) then
     return {written, 0}
   end
-  if wm >= to_version then
+  if indexed >= to_version then
     return {written, 1}
   end
-elseif ARGV[5] ~= '' then
+elseif not rebuild then
   return {written, 0}
 end
-redis.call('SET', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[1], ARGV[4] .. '|' .. window)
 return {written, 1}

@@ -207,6 +207,59 @@ def test_replayed_batch_retakes_its_claims_and_adds_nothing_twice(
     assert dd.ledger.audit() == []
 
 
+def test_a_replay_that_succeeds_for_more_rows_commits_them_too(
+    tmp_path: Path, real_redis: object, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(10)]
+    first = dd.begin(keys, owner="query-1:3")
+    # The sink accepted only the first 4 rows; the batch committed them, then the
+    # driver died before releasing the other claims or telling Spark.
+    dd.complete(first, succeeded=first.fresh[:4], batch_id=3, app_id="query-1")
+    replay = dd.begin(keys, owner="query-1:3")
+    assert len(replay.fresh) == 6  # the 4 committed keys are duplicates now
+    # This time the sink accepts every row: the 6 are not in the earlier commit of
+    # batch 3, so they must reach the ledger under a txn of their own.
+    outcome = dd.complete(replay, batch_id=3, app_id="query-1")
+    assert outcome.replayed
+    assert outcome.committed == 6
+    since = dd.clock.now_ms() - 60_000
+    assert sorted(dd.ledger.existing(keys, since_ms=since)) == sorted(keys)
+    # Redis may lose everything: the ledger alone still makes every key a duplicate.
+    real_redis.flushall()  # type: ignore[attr-defined]
+    after = dd.begin(keys, owner="query-1:4")
+    assert not after.fresh
+    assert len(after.duplicates) == 10
+    assert dd.ledger.audit() == []
+
+
+def test_a_key_taken_over_from_an_expired_lease_is_reported_reclaimed(
+    tmp_path: Path, real_redis: object, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url, lease_ms=1_000))
+    keys = [f"ORDERID_{i}" for i in range(5)]
+    dd.begin(keys, owner="worker-a:1")  # worker a stalls past its lease
+    dd.clock = _Later(dd.clock, 2_000)
+    dd.hot.clock = dd.clock  # type: ignore[attr-defined]
+    taken = dd.begin(keys, owner="worker-b:1")
+    assert taken.reclaimed == taken.fresh
+    assert len(taken.reclaimed) == 5
+    assert taken.counts.reclaimed == 5
+
+
+class _Later:
+    """A clock ``ms`` ahead of another."""
+
+    def __init__(self, clock: object, ms: int) -> None:
+        self._clock, self._ms = clock, ms
+
+    def now_ms(self) -> int:
+        return self._clock.now_ms() + self._ms  # type: ignore[attr-defined,no-any-return]
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)  # type: ignore[attr-defined]
+
+
 # -- (f) an evicting Redis is refused ------------------------------------------------------
 
 
@@ -228,7 +281,12 @@ def test_bad_keys_come_back_invalid_with_reasons(
     claim = dd.begin(batch, owner="q:0", field="order_id")
     reasons = {bad.index: bad.reason for bad in claim.invalid}
     assert reasons == {
-        0: "null", 1: "empty", 2: "empty", 3: "too_long", 4: "undecodable", 5: "not_text"
+        0: "null",
+        1: "empty",
+        2: "empty",
+        3: "too_long",
+        4: "undecodable",
+        5: "not_text",
     }
     too_long = next(bad for bad in claim.invalid if bad.reason == "too_long")
     assert "order_id" in too_long.message

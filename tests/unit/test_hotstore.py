@@ -201,9 +201,7 @@ def test_complete_needs_a_fingerprint_for_every_key(store: RedisHotStore) -> Non
         store.complete(by_bucket(["A", "B"]), "a", {"A": FP}, version=0)
 
 
-def test_completed_keys_live_for_the_dedup_window(
-    any_redis: redis.Redis, store: RedisHotStore, clock: ManualClock
-) -> None:
+def test_completed_keys_live_for_the_dedup_window(store: RedisHotStore, clock: ManualClock) -> None:
     hour = 3_600_000
     store.complete(by_bucket(["now"]), "a", {"now": FP}, version=0)
     store.complete(
@@ -213,10 +211,27 @@ def test_completed_keys_live_for_the_dedup_window(
         version=1,
         completed_at_ms=clock.now_ms() - hour,
     )
-    assert abs(any_redis.pttl(store.key_name("now")) - WINDOW_MS) < 5_000
-    assert abs(any_redis.pttl(store.key_name("earlier")) - (WINDOW_MS - hour)) < 5_000
     state = store.lookup(by_bucket(["earlier"]))["earlier"]
     assert state.completed_at_ms == clock.now_ms() - hour
+    clock.advance((WINDOW_MS - hour - 1) / 1000)  # the last moment of "earlier"'s window
+    result = store.claim(by_bucket(["now", "earlier"]), "b", min_version=1)
+    assert sorted(result.duplicates) == ["earlier", "now"], result
+    clock.advance(0.001)  # "earlier" has left the window, "now" has not
+    result = store.claim(by_bucket(["now", "earlier"]), "b", min_version=1)
+    assert (result.claimed, sorted(result.duplicates)) == (["earlier"], ["now"])
+    clock.advance(hour / 1000)
+    assert store.claim(by_bucket(["now"]), "b", min_version=1).claimed == ["now"]
+
+
+def test_completed_keys_do_not_outlive_two_windows_in_redis(
+    any_redis: redis.Redis, store: RedisHotStore, clock: ManualClock
+) -> None:
+    store.complete(by_bucket(KEYS), "a", dict.fromkeys(KEYS, FP), version=0)
+    hashes = list(any_redis.scan_iter("idem:*:c:*"))
+    assert hashes  # the keys are held in generation hashes, each with a TTL ...
+    for name in hashes:
+        assert 0 < any_redis.pttl(name) <= 2 * WINDOW_MS  # ... of at most two windows
+    assert not list(any_redis.scan_iter("idem:*:k:*"))  # and no claim is left behind
 
 
 def test_a_claim_does_not_outlive_lease_and_window(
@@ -385,7 +400,10 @@ def test_keys_past_the_window_are_not_loaded(
     states = store.lookup({1: [old, young]})
     assert states[old].status is KeyStatus.ABSENT
     assert states[young].status is KeyStatus.COMPLETED
-    assert abs(any_redis.pttl(store.key_name(young)) - (WINDOW_MS - 1000)) < 5_000
+    clock.advance((WINDOW_MS - 1000 - 1) / 1000)  # young's last moment in the window
+    assert store.claim({1: [old, young]}, "b", min_version=0).claimed == [old]
+    clock.advance(0.001)
+    assert store.claim({1: [young]}, "b", min_version=0).claimed == [young]
 
 
 def test_big_loads_are_chunked(
@@ -439,9 +457,11 @@ def test_keys_of_a_bucket_share_one_cluster_slot(
     store.claim(by_bucket(KEYS), "a", min_version=-1)
     store.complete(by_bucket(KEYS[:10]), "a", dict.fromkeys(KEYS[:10], FP), version=0)
     names = [_text(n) for n in any_redis.scan_iter(match="idem:*", count=1000)]
-    assert len(names) == len(KEYS) + BUCKETS  # the keys and one watermark per bucket
+    completed = {bucket_of(key, BUCKETS) for key in KEYS[:10]}
+    # the 30 open claims, one generation hash per bucket that completed keys, one watermark each
+    assert len(names) == len(KEYS) - 10 + len(completed) + BUCKETS
     for name in names:
-        layout = re.fullmatch(r"idem:\{orders:(\d+)\}:(k:ORDERID_\d+|wm)", name)
+        layout = re.fullmatch(r"idem:\{orders:(\d+)\}:(k:ORDERID_\d+|c:\d+:\d+|wm)", name)
         assert layout is not None, name
         bucket = int(layout.group(1))
         assert key_slot(name.encode()) == key_slot(store.watermark_name(bucket).encode())
