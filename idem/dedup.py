@@ -273,11 +273,13 @@ class Dedup:
         if not indices:
             return CommitOutcome(version=None, committed=0)
         keys = [claim.keys[i] or "" for i in indices]
+        buckets = [bucket_of(key, self.config.buckets) for key in keys]
         now = self.clock.now_ms()
         rows = self._ledger_rows(
             claim,
             indices=indices,
             keys=keys,
+            buckets=buckets,
             batch_id=batch_id,
             now_ms=now,
             meta=meta,
@@ -309,7 +311,9 @@ class Dedup:
                 results=results,
             )
         prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
-        grouped = group_by_bucket(keys, self.config.buckets)
+        grouped: dict[int, list[str]] = {}
+        for key, bucket in zip(keys, buckets, strict=True):
+            grouped.setdefault(bucket, []).append(key)
         version = result.version if result.version is not None else -2
         done = self.hot.complete(grouped, claim.owner, prints, version=version, completed_at_ms=now)
         if result.already_present:
@@ -398,6 +402,7 @@ class Dedup:
         *,
         indices: Sequence[int],
         keys: Sequence[str],
+        buckets: Sequence[int],
         batch_id: int,
         now_ms: int,
         meta: pa.Table | None,
@@ -406,26 +411,33 @@ class Dedup:
         size = len(indices)
         at = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
 
+        def repeat(value: object, kind: pa.DataType) -> pa.Array:
+            return pa.repeat(pa.scalar(value, kind), size)
+
         def meta_column(name: str, kind: pa.DataType) -> pa.Array:
             if meta is not None and name in meta.column_names:
                 return meta.column(name).take(pa.array(indices)).combine_chunks().cast(kind)
             return pa.nulls(size, kind)
 
         columns: dict[str, pa.Array] = {
-            "group": pa.array([self.config.group] * size, pa.string()),
-            "bucket": pa.array([bucket_of(k, self.config.buckets) for k in keys], pa.int32()),
+            "group": repeat(self.config.group, pa.string()),
+            "bucket": pa.array(buckets, pa.int32()),
             "key": pa.array(keys, pa.string()),
             "msg_id": meta_column("msg_id", pa.string()),
             "origin_msg_id": meta_column("origin_msg_id", pa.string()),
             "topic": meta_column("topic", pa.string()),
             "queue_id": meta_column("queue_id", pa.int32()),
             "queue_offset": meta_column("queue_offset", pa.int64()),
-            "batch_id": pa.array([batch_id] * size, pa.int64()),
-            "owner": pa.array([claim.owner] * size, pa.string()),
+            "batch_id": repeat(batch_id, pa.int64()),
+            "owner": repeat(claim.owner, pa.string()),
             "fingerprint": pa.array([claim.fingerprints[i] for i in indices], pa.string()),
-            "completed_at": pa.array([at] * size, pa.timestamp("us", tz="UTC")),
-            "completed_date": pa.array([at.date()] * size, pa.date32()),
-            "result": pa.array([results.get(i) if results else None for i in indices], pa.string()),
+            "completed_at": repeat(at, pa.timestamp("us", tz="UTC")),
+            "completed_date": repeat(at.date(), pa.date32()),
+            "result": (
+                pa.array([results.get(i) for i in indices], pa.string())
+                if results
+                else pa.nulls(size, pa.string())
+            ),
         }
         return pa.table(columns)
 
