@@ -101,7 +101,7 @@ class Dedup:
 
         fresh: list[int] = []
         busy: list[int] = []
-        mismatched: list[int] = []
+        mismatched: dict[int, str] = {}
         busy_keys = set(result.busy)
         for key, i in first.items():
             if key in claimed:
@@ -112,7 +112,7 @@ class Dedup:
                 duplicates[i] = DuplicateCause.COMPLETED
                 stored = result.duplicates.get(key, "")
                 if stored and prints[i] and stored != prints[i]:
-                    mismatched.append(i)
+                    mismatched[i] = stored
         retaken_keys = set(result.retaken)
         reclaimed_keys = set(result.reclaimed)
         claim = BatchClaim(
@@ -124,6 +124,7 @@ class Dedup:
             busy=tuple(sorted(busy)),
             invalid=tuple(sorted(invalid, key=lambda bad: bad.index)),
             mismatched=tuple(sorted(mismatched)),
+            stored_fingerprints=mismatched,
             retaken=tuple(i for i in sorted(fresh) if normalised[i] in retaken_keys),
             ledger_version=version,
             reclaimed=tuple(i for i in sorted(fresh) if normalised[i] in reclaimed_keys),

@@ -167,7 +167,8 @@ class _IdempotentCall(Generic[R]):
             raise KeyBusy(str(claim.keys[0]))
         the_key = str(claim.keys[0])
         if claim.duplicates:
-            return self._on_repeat(dd, the_key, printed, mismatched=bool(claim.mismatched))
+            stored = claim.stored_fingerprints.get(0) if claim.mismatched else None
+            return self._on_repeat(dd, the_key, printed, mismatched_with=stored)
         if self.s.pass_key_as is not None:
             kwargs = {**kwargs, self.s.pass_key_as: the_key}
         try:
@@ -179,10 +180,12 @@ class _IdempotentCall(Generic[R]):
         dd.complete(claim, batch_id=0, results={0: stored} if stored is not None else None)
         return value
 
-    def _on_repeat(self, dd: Dedup, the_key: str, printed: str, *, mismatched: bool) -> R | None:
-        if mismatched:
+    def _on_repeat(
+        self, dd: Dedup, the_key: str, printed: str, *, mismatched_with: str | None
+    ) -> R | None:
+        if mismatched_with is not None:
             policy = self.s.on_mismatch or dd.config.mismatch_policy
-            error = PayloadMismatch(the_key, stored="(completed)", seen=printed)
+            error = PayloadMismatch(the_key, stored=mismatched_with, seen=printed)
             if policy is MismatchPolicy.RAISE:
                 raise error
             if policy is MismatchPolicy.DEAD_LETTER:

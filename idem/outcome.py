@@ -54,7 +54,7 @@ class BatchClaim:
     whose lease had expired (that owner may have run the sink for it already).
     Both are possible repeats for a sink that is not the ledger.
     ``mismatched`` are duplicates whose payload fingerprint differs from the
-    completed one.
+    completed one; ``stored_fingerprints`` holds the completed one for each.
     """
 
     owner: str
@@ -68,6 +68,7 @@ class BatchClaim:
     retaken: tuple[int, ...] = ()
     ledger_version: int = -1
     reclaimed: tuple[int, ...] = ()
+    stored_fingerprints: dict[int, str] = field(default_factory=dict)
 
     @property
     def counts(self) -> BatchCounts:

@@ -91,8 +91,11 @@ def test_payload_mismatch_policies(dedup: Dedup) -> None:
 
     strict(Order("A", 1))
     strict(Order("A", 1))  # same payload: a plain repeat
-    with pytest.raises(PayloadMismatch, match="'A'"):
+    with pytest.raises(PayloadMismatch, match="'A'") as mismatch:
         strict(Order("A", 2))
+    # the error names both fingerprints: the completed call's and this one's
+    assert len(mismatch.value.stored) == len(mismatch.value.seen) == 32
+    assert mismatch.value.stored != mismatch.value.seen
 
     dead: list[str] = []
 
