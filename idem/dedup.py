@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
@@ -476,17 +477,16 @@ def _split_by_bucket(
     table: pa.Table, buckets: Iterable[int]
 ) -> dict[int, tuple[list[str], list[str], list[int]]]:
     """Columns ``bucket, key, fingerprint, completed_at_ms`` split per wanted bucket."""
-    wanted = set(buckets)
     out: dict[int, tuple[list[str], list[str], list[int]]] = {}
     if table.num_rows == 0:
         return out
-    cols = table.to_pydict()
-    for bucket, key, fp, at in zip(
-        cols["bucket"], cols["key"], cols["fingerprint"], cols["completed_at_ms"], strict=True
-    ):
-        if bucket in wanted:
-            keys, prints, ats = out.setdefault(bucket, ([], [], []))
-            keys.append(key)
-            prints.append(fp or "")
-            ats.append(int(at))
+    # One vectorised filter per bucket: no Python loop per row.
+    for bucket in set(buckets):
+        part = table.filter(pc.equal(table.column("bucket"), bucket))
+        if part.num_rows:
+            out[bucket] = (
+                part.column("key").to_pylist(),
+                pc.fill_null(part.column("fingerprint"), "").to_pylist(),
+                part.column("completed_at_ms").to_pylist(),
+            )
     return out

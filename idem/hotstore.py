@@ -272,7 +272,7 @@ class RedisHotStore:
         version: int,
         completed_at_ms: int | None = None,
     ) -> CompleteResult:
-        """Mark keys COMPLETED (TTL = the dedup window) once ledger ``version`` holds them.
+        """Mark keys COMPLETED (for the dedup window) once ledger ``version`` holds them.
 
         Fencing: a key another owner holds with a live lease is left alone and
         reported in ``fenced``; absent, own, expired and already completed keys are
@@ -418,9 +418,9 @@ class RedisHotStore:
 
         ``from_version=None`` is a rebuild of the whole dedup window; otherwise the
         keys are those of ledger versions ``from_version + 1 .. to_version``. Each
-        key's TTL runs from its ``completed_at_ms`` so the window stays exact (keys
-        already past it are skipped); IN_PROGRESS claims are overwritten, since the
-        ledger is the truth. The watermark becomes ``max(wm, to_version)`` when
+        key's window runs from its ``completed_at_ms`` (keys already past it are
+        skipped); a COMPLETED key wins over any claim left on it, since the ledger is
+        the truth. The watermark becomes ``max(wm, to_version)`` when
         ``wm >= from_version`` (catch-up) or, for a rebuild, always. Big loads are
         chunked; a chunk lost to a Redis restart in between keeps the watermark
         where it was. Returns whether the watermark now covers ``to_version``.
