@@ -1,7 +1,7 @@
 """The ``idem`` command line.
 
 Subcommands are contributed by each layer through a ``register(subparsers)``
-function: the core's own (``ledger``), ``idem.retry.cli`` (``schedule``,
+function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
 ``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
 looked up by name so the core does not import the layers built on it.
 """
@@ -17,7 +17,7 @@ from typing import Protocol, cast
 
 from idem.errors import IdemError
 
-LAYERS = ("idem.ledger.cli", "idem.retry.cli", "idem.spark.cli")
+LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli")
 """Modules that may contribute subcommands; a missing one is simply absent."""
 
 

@@ -454,6 +454,25 @@ class RedisHotStore:
             replies = self._run(pipe, "index")
         return bool(replies[-1][1] == 1)
 
+    def held_keys(self, buckets: Iterable[int] | None = None) -> dict[int, int]:
+        """Completed keys each bucket holds in Redis now (current and previous generation).
+
+        Counts what costs memory: the previous generation may still hold keys
+        whose window has ended (they go when its hash expires).
+        """
+        wanted = (
+            list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
+        )
+        gen = self.clock.now_ms() // self.completed_ttl_ms
+        pipe = self.client.pipeline(transaction=False)
+        for bucket in wanted:
+            for g in (gen, gen - 1):
+                pipe.hlen(f"{self._tags[bucket]}:c:{self._window}:{g}")
+        replies = self._run(pipe, "held_keys") if wanted else []
+        return {
+            bucket: int(replies[2 * n]) + int(replies[2 * n + 1]) for n, bucket in enumerate(wanted)
+        }
+
     def drop_watermark(self, bucket: int) -> None:
         """Forget a bucket's watermark, forcing a rebuild before its next "new" answer."""
         try:
