@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 _MAX_INDEX_ROUNDS = 5
 """How often a claim retries after the index fell behind again under its feet."""
 
+CATCH_UP_GRACE_MS = 250
+"""How long a claim waits for a live writer to index its own commit before loading it.
+
+A watermark behind the ledger usually means another writer has committed and is
+marking the keys COMPLETED right now (its claims still guard them meanwhile);
+re-reading that version's files would duplicate its work. Only a writer that
+died or stalled costs the load, after this wait.
+"""
+
 
 @dataclass
 class IndexStats:
@@ -42,6 +51,8 @@ class IndexStats:
     rebuilt_keys: int = 0
     caught_up_versions: int = 0
     caught_up_keys: int = 0
+    writer_waits: int = 0
+    writer_waits_ms: int = 0
 
 
 class Dedup:
@@ -60,9 +71,11 @@ class Dedup:
         hot: HotStore | None = None,
         ledger: Ledger | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        catch_up_grace_ms: int = CATCH_UP_GRACE_MS,
     ) -> None:
         self.config = config
         self.clock = clock
+        self.catch_up_grace_ms = catch_up_grace_ms
         self.hot: HotStore = hot or RedisHotStore.from_config(config, client=client, clock=clock)
         self.ledger: Ledger = ledger or open_ledger(config)
         self.stats = IndexStats()
@@ -196,10 +209,16 @@ class Dedup:
         """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
 
         Steady state costs one cheap ledger version check and one Redis round trip.
+        Buckets behind the ledger first get ``catch_up_grace_ms`` for the writer of
+        the missing versions to index them itself.
         """
         wanted = list(range(self.config.buckets)) if buckets is None else list(buckets)
         version = self.ledger.version()
         marks = self.hot.watermarks(wanted)
+        if self.catch_up_grace_ms > 0 and any(
+            mark is not None and mark < version for mark in marks.values()
+        ):
+            marks = self._wait_for_writers(marks, version)
         missing = [b for b in wanted if marks.get(b) is None]
         behind = {b: mark for b in wanted if (mark := marks.get(b)) is not None and mark < version}
         if missing:
@@ -207,6 +226,23 @@ class Dedup:
         if behind:
             self._load_missed(behind)
         return version
+
+    def _wait_for_writers(
+        self, marks: dict[int, int | None], version: int
+    ) -> dict[int, int | None]:
+        """Re-read lagging watermarks for up to the grace period; return the latest marks."""
+        started = self.clock.now_ms()
+        deadline = started + self.catch_up_grace_ms
+        pause = 0.005
+        lagging = [b for b, mark in marks.items() if mark is not None and mark < version]
+        while lagging and self.clock.now_ms() < deadline:
+            self.clock.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            marks.update(self.hot.watermarks(lagging))
+            lagging = [b for b in lagging if (mark := marks[b]) is not None and mark < version]
+        self.stats.writer_waits += 1
+        self.stats.writer_waits_ms += self.clock.now_ms() - started
+        return marks
 
     def _rebuild(self, buckets: Sequence[int]) -> None:
         since = self.clock.now_ms() - self.config.dedup_window_ms

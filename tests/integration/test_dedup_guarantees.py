@@ -10,13 +10,16 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import UnsafeRedisConfig
+from idem.hotstore import CompleteResult
 from idem.outcome import DuplicateCause
 from idem.redis_server import RedisServer
 
@@ -150,6 +153,43 @@ def test_writer_dying_after_ledger_commit_leaves_keys_duplicate_and_loads_only_m
     assert len(claim.duplicates) == 200
     assert fresh_dd.stats.rebuilt_buckets == 0
     assert fresh_dd.stats.caught_up_keys == 200  # only the missed version, not the 300 early keys
+
+
+def test_a_live_writer_indexes_its_own_commit_and_others_do_not_reload_it(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    redis_server.client().flushall()
+    writer = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(300)]
+    claim = writer.begin(keys, owner="a:1")
+    pending: list[Callable[[], object]] = []
+    real_complete = writer.hot.complete
+
+    def later(*args: Any, **kwargs: Any) -> CompleteResult:
+        pending.append(lambda: real_complete(*args, **kwargs))
+        return CompleteResult(completed=0, fenced=[], watermark_advanced=False)
+
+    # The writer's ledger commit lands; its Redis update is still on the way.
+    writer.hot.complete = later  # type: ignore[method-assign]
+    writer.complete(claim, batch_id=1, app_id="writer-a")
+    assert len(pending) == 1
+
+    class _Clock:
+        """Real time, except that the first pause lets the writer finish."""
+
+        def now_ms(self) -> int:
+            return writer.clock.now_ms()
+
+        def sleep(self, seconds: float) -> None:
+            while pending:
+                pending.pop()()
+
+    reader = Dedup(_config(tmp_path, redis_server.url), clock=_Clock())
+    seen = reader.begin([*keys, "NEW_1"], owner="b:1")
+    assert seen.fresh_keys() == ["NEW_1"]
+    assert len(seen.duplicates) == 300
+    assert reader.stats.writer_waits == 1
+    assert reader.stats.caught_up_keys == 0  # the writer indexed them; nothing was reloaded
 
 
 # -- (d) Redis restarted from an AOF that lacks the last writes ----------------------------
