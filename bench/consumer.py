@@ -8,8 +8,12 @@ consume-timeout detection lateness beside RocketMQ's scan model.
    messages from 8 queues on a private redis-server; the sink appends one JSON
    line per message to a file per consume call. Measured from the moment a
    warm-up share was consumed until every message was; once without and once with
-   idem's dedup hook (claims in Redis, group-committed Delta ledger). Printed as
-   messages/second and the ratio (target >= 0.7).
+   idem's dedup hook (group claims in Redis, group-committed Delta ledger; a
+   message counts once its ledger commit is durable). Printed as messages/second
+   and the ratio (target >= 0.7). ``--commit-interval-ms`` and
+   ``--no-commit-lock`` tune the group commit; ``IDEM_BENCH_SAMPLE=1`` writes
+   per-step timings and stack samples of each worker next to its sink file,
+   ``IDEM_BENCH_PROFILE=<prefix>`` a cProfile of every thread of instance 0.
 2. Consume timeout: stuck messages arrive at random moments; how late after its
    deadline the watchdog found each one (p50 / p99 / max), beside RocketMQ's
    scan model: ``cleanExpiredMsg`` runs every ``consumeTimeout`` minutes, so a
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -44,6 +49,7 @@ from idem.retry.consumer import (
     ConsumerSettings,
     ConsumeScope,
     DedupMiddleware,
+    Deferred,
     Producer,
     PushConsumer,
     TopicStore,
@@ -76,16 +82,39 @@ class FileSink:
 
 
 class Progress:
-    """Outermost middleware: counts messages once everything inside (dedup too) is done."""
+    """Outermost middleware: counts messages once everything inside (dedup too) is done —
+    a message whose acknowledgement waits for the dedup hook's group commit counts when
+    that commit is durable. Counts reach Redis every 5 ms from a thread of their own (a
+    round trip per call would slow whichever thread resolves a group commit)."""
 
     def __init__(self, client: redis.Redis, key: str) -> None:
         self.client, self.key = client, key
+        self._lock = threading.Lock()
+        self._unsent = 0
+        threading.Thread(target=self._send, daemon=True, name="progress").start()
 
     def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
                  call_next: CallNext) -> BatchResult:
         result = call_next(messages)
-        self.client.incrby(self.key, len(messages))
+        later: dict[int, tuple[Deferred, int]] = {}
+        for deferred in result.pending.values():
+            later[id(deferred)] = (deferred, later.get(id(deferred), (deferred, 0))[1] + 1)
+        self._count(len(messages) - len(result.pending))
+        for deferred, count in later.values():
+            deferred.on_resolved(lambda _failure, n=count: self._count(n))
         return result
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self._unsent += n
+
+    def _send(self) -> None:
+        while True:
+            time.sleep(0.005)
+            with self._lock:
+                n, self._unsent = self._unsent, 0
+            if n:
+                self.client.incrby(self.key, n)
 
 
 def worker(spec: dict[str, Any]) -> None:
@@ -101,20 +130,66 @@ def worker(spec: dict[str, Any]) -> None:
         rebalance_interval_ms=1000, persist_consumer_offset_interval_ms=1000,
     )
     sampler = _Sampler() if os.environ.get("IDEM_BENCH_SAMPLE") else None
+    profile_to = os.environ.get("IDEM_BENCH_PROFILE") if spec["name"] == "i0" else None
+    profiler = _ThreadProfiler() if profile_to else None
     consumer = PushConsumer(config, settings=settings, client=client,
                             instance_name=spec["name"])
     consumer.subscribe(TOPIC)
     consumer.use(Progress(client, spec["counter"]))
+    middleware: DedupMiddleware | None = None
     if spec["dedup"]:
-        consumer.use(DedupMiddleware(Dedup(config, client=redis.Redis.from_url(
-            spec["redis_url"]))))
+        middleware = DedupMiddleware(
+            Dedup(config, client=redis.Redis.from_url(spec["redis_url"])),
+            commit_lock=spec.get("commit_lock", True),
+            commit_interval_ms=spec.get("commit_interval_ms", 200),
+        )
+        consumer.use(middleware)
     consumer.register_message_listener_concurrently(FileSink(spec["sink"]))
     consumer.start()
     while not client.exists(spec["stop"]):
         time.sleep(0.1)
     consumer.shutdown()
     if sampler is not None:
-        sampler.dump(Path(spec["sink"]).with_suffix(".samples"))
+        times = os.times()
+        extra = [f"cpu: user {times.user:.1f}s system {times.system:.1f}s"]
+        if middleware is not None:
+            extra += [f"index: {middleware.dedup.stats}",
+                      f"dedup: {middleware.stats.commits} commits, "
+                      f"{middleware.claimer.rounds} claim rounds"]
+        sampler.dump(Path(spec["sink"]).with_suffix(".samples"), extra)
+    if profiler is not None and profile_to:
+        profiler.dump(f"{profile_to}.{'dedup' if spec['dedup'] else 'plain'}-{spec['batch']}")
+
+
+class _ThreadProfiler:
+    """cProfile of every thread of one worker (IDEM_BENCH_PROFILE=<file prefix>): one
+    profiler per thread, merged into one pstats file at the end."""
+
+    def __init__(self) -> None:
+        import cProfile
+        import sys
+
+        self.profiles: list[cProfile.Profile] = []
+
+        def start(*_args: Any) -> None:
+            sys.setprofile(None)
+            profile = cProfile.Profile()
+            self.profiles.append(profile)
+            profile.enable()
+
+        threading.setprofile(start)
+        start()
+
+    def dump(self, path: str) -> None:
+        import pstats
+
+        threading.setprofile(None)  # type: ignore[arg-type]
+        for profile in self.profiles:
+            profile.disable()
+        stats = pstats.Stats(self.profiles[0])
+        for profile in self.profiles[1:]:
+            stats.add(profile)
+        stats.dump_stats(path)
 
 
 class _Sampler:
@@ -140,31 +215,43 @@ class _Sampler:
         threading.Thread(target=run, daemon=True).start()
 
         import idem.dedup
+        import idem.retry.consumer.concurrently as cc
+        import idem.retry.consumer.group_claim as gc
+        import idem.retry.consumer.group_commit as gcm
         import idem.retry.consumer.middleware as mw
+        import idem.retry.consumer.pull as pl
 
-        self.times: dict[str, list[float]] = {}
+        self.times: dict[str, list[tuple[float, float]]] = {}
         for cls, names in ((idem.dedup.Dedup, ("begin", "complete", "catch_up")),
-                           (mw.GroupCommitter, ("_acquire", "_commit"))):
+                           (gcm.GroupCommitter, ("_acquire", "_commit")),
+                           (gc.GroupClaimer, ("_claim",)),
+                           (mw.DedupMiddleware, ("__call__",)),
+                           (cc.ConcurrentlyService, ("_consume_request", "_settled")),
+                           (pl.PullService, ("_pull", "_deliver")),
+                           (FileSink, ("__call__",))):
             for name in names:
                 self._wrap(cls, name)
 
     def _wrap(self, cls: Any, name: str) -> None:
         original = getattr(cls, name)
-        times = self.times.setdefault(name, [])
+        times = self.times.setdefault(f"{cls.__name__}.{name}", [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                times.append(time.perf_counter() - began)
+                times.append((time.perf_counter() - began, time.thread_time() - cpu))
 
         setattr(cls, name, timed)
 
-    def dump(self, path: Path) -> None:
+    def dump(self, path: Path, extra: list[str]) -> None:
         self._stop.set()
-        lines = [f"{k}: n={len(v)} mean={statistics.mean(v) * 1000:.1f}ms "
-                 f"total={sum(v):.2f}s" for k, v in self.times.items() if v]
+        lines = extra + [
+            f"{k}: n={len(v)} mean={statistics.mean(w for w, _ in v) * 1000:.1f}ms "
+            f"wall={sum(w for w, _ in v):.2f}s thread-cpu={sum(c for _, c in v):.2f}s"
+            for k, v in self.times.items() if v
+        ]
         lines += [f"{n} {k}" for k, n in self.counts.most_common(30)]
         path.write_text("\n".join(lines))
 
@@ -268,14 +355,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=20)
     parser.add_argument("--stuck", type=int, default=200)
     parser.add_argument("--timeout-ms", type=int, default=1000)
+    parser.add_argument("--commit-interval-ms", type=int, default=200,
+                        help="dedup group commit: how long the oldest key waits for company")
+    parser.add_argument("--no-commit-lock", action="store_true",
+                        help="dedup: no Redis lock taking turns on ledger commits")
+    parser.add_argument("--skip-timeout", action="store_true",
+                        help="measure throughput only")
     args = parser.parse_args()
+    dedup_options = {"commit_lock": not args.no_commit_lock,
+                     "commit_interval_ms": args.commit_interval_ms}
     batches = args.batch or [256, 32]
     workdir = Path(tempfile.mkdtemp(prefix="idem-bench-consumer-"))
     server = RedisServer()
     server.start()
     try:
         print(f"push consumer, {INSTANCES} instances (processes), {QUEUES} queues, "
-              f"{args.threads} consume threads each, file sink, {os.cpu_count()} cores")
+              f"{args.threads} consume threads each, file sink, {os.cpu_count()} cores; "
+              f"dedup group commit every {args.commit_interval_ms} ms, "
+              f"commit lock {'off' if args.no_commit_lock else 'on'}")
         print(f"{'batch':>6} {'plain msg/s':>12} {'dedup msg/s':>12} {'ratio':>6}")
         for batch in batches:
             n = args.messages if batch >= 16 else max(args.messages // 20, 1000)
@@ -283,8 +380,11 @@ def main() -> None:
             plain = throughput(server, dedup=False, messages=n, warmup=w, batch=batch,
                                threads=args.threads, workdir=workdir)
             dedup = throughput(server, dedup=True, messages=n, warmup=w, batch=batch,
-                               threads=args.threads, workdir=workdir)
-            print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}")
+                               threads=args.threads, workdir=workdir, **dedup_options)
+            print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}",
+                  flush=True)
+        if args.skip_timeout:
+            return
 
         late, sent = timeout_lateness(server, stuck=args.stuck, timeout_ms=args.timeout_ms,
                                       workdir=workdir)
@@ -303,4 +403,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
+    # the timeout part sends stuck messages back on purpose: one warning each is noise here
+    logging.getLogger("idem.retry.consumer.concurrently").setLevel(logging.ERROR)
     main()

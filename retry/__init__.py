@@ -37,6 +37,7 @@ from idem.retry.message import (
     FailureRecord,
     MessageConst,
     MessageExt,
+    busy_msg_id,
     dlq_topic,
     new_msg_id,
     retry_topic,
@@ -59,7 +60,13 @@ from idem.retry.policy import (
     stop_on_dead_letter_request,
 )
 from idem.retry.schedule import ScheduleService
-from idem.retry.sendback import DeadLettered, Scheduled, SendBackDecision, SendBackProcessor
+from idem.retry.sendback import (
+    BUSY_DELAY_LEVEL,
+    DeadLettered,
+    Scheduled,
+    SendBackDecision,
+    SendBackProcessor,
+)
 from idem.retry.status import (
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
@@ -77,6 +84,7 @@ from idem.retry.store import RetryKeys, ScheduleStats, ScheduleStore
 from idem.retry.topic import RetryTopic, message_timeup, reset_retry_topic
 
 __all__ = [
+    "BUSY_DELAY_LEVEL",
     "DEFAULT_DELAY_LEVELS",
     "DEFAULT_MAX_RECONSUME_TIMES",
     "DLQ_SCHEMA",
@@ -130,6 +138,7 @@ __all__ = [
     "StateAudit",
     "Stop",
     "audit_states",
+    "busy_msg_id",
     "dlq_topic",
     "exponential_backoff",
     "fixed_backoff",

@@ -30,7 +30,7 @@ from idem.redis_client import check_eviction_policy, connect
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
 from idem.retry.journal import JournalEvent, JournalEventType, RetryJournal
-from idem.retry.message import MessageExt
+from idem.retry.message import MessageConst, MessageExt
 from idem.retry.policy import RetryPolicy
 from idem.retry.schedule import (
     DEFAULT_BATCH_SIZE,
@@ -38,7 +38,13 @@ from idem.retry.schedule import (
     DEFAULT_SYNC_INTERVAL_MS,
     ScheduleService,
 )
-from idem.retry.sendback import DeadLettered, Scheduled, SendBackDecision, SendBackProcessor
+from idem.retry.sendback import (
+    BUSY_DELAY_LEVEL,
+    DeadLettered,
+    Scheduled,
+    SendBackDecision,
+    SendBackProcessor,
+)
 from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
 from idem.retry.topic import RetryTopic
 
@@ -183,8 +189,10 @@ class RetryEngine:
         return JournalEvent(
             JournalEventType.SCHEDULED, message.msg_id, message.origin_msg_id, message.keys,
             message.reconsume_times, decision.level, decision.queue_id, decision.due_ms,
-            # only a message read from the retry topic can still be live in Redis
-            replaces=original.msg_id if original.reconsume_times > 0 else None,
+            # only a message read from the retry topic can still be live in Redis (a busy
+            # resend keeps reconsume_times 0 but carries ORIGIN_MESSAGE_ID)
+            replaces=original.msg_id if original.reconsume_times > 0 or
+            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in original.properties else None,
             wire=message.to_wire(), at_ms=now,
         )
 
@@ -205,11 +213,46 @@ class RetryEngine:
         ``app_id``/``txn_version`` make a replayed batch a no-op in Delta.
         """
         errors = errors or {}
-        now = self.clock.now_ms()
         decisions = [
             self.processor.process(m, delay_level=delay_level, error=errors.get(m.msg_id))
             for m in messages
         ]
+        return self._send(decisions, app_id=app_id, txn_version=txn_version)
+
+    def send_back_busy(
+        self,
+        messages: Sequence[MessageExt],
+        *,
+        delay_level: int = BUSY_DELAY_LEVEL,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+    ) -> SendBackResult:
+        """Send back messages whose key is *busy* (DESIGN §1 step 2): not a failure.
+
+        A key another owner holds with a live lease must come back after a short
+        delay, never be dropped, and never be dead-lettered for being busy: each
+        message is scheduled at ``delay_level`` (default 1, i.e. 1 s; clamped to
+        the ladder) with ``reconsume_times`` and its failure history unchanged, so
+        it does not count toward ``max_reconsume_times``. The new message gets a
+        msg id derived from the copy it replaces (a repeat names the same message)
+        and, when the copy came from the retry topic, replaces it there. Same
+        paths, journal and result as :meth:`send_back` (never ``DEAD``);
+        ``app_id``/``txn_version`` make a replayed batch a no-op in Delta.
+        """
+        decisions: list[SendBackDecision] = [
+            self.processor.process_busy(m, delay_level=delay_level) for m in messages
+        ]
+        return self._send(decisions, app_id=app_id, txn_version=txn_version)
+
+    def _send(
+        self,
+        decisions: Sequence[SendBackDecision],
+        *,
+        app_id: str | None,
+        txn_version: int | None,
+    ) -> SendBackResult:
+        now = self.clock.now_ms()
+        messages = [d.original for d in decisions]
         dead = [d for d in decisions if isinstance(d, DeadLettered)]
         scheduled = [d for d in decisions if isinstance(d, Scheduled)]
         events = [self._event(d, now) for d in decisions]

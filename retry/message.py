@@ -72,6 +72,16 @@ def new_msg_id(group: str, origin_msg_id: str, reconsume_times: int) -> str:
     return digest.hexdigest().upper()
 
 
+def busy_msg_id(group: str, msg_id: str) -> str:
+    """The msg id of ``msg_id`` sent back because its key was busy (not a failed consume).
+
+    Derived from the copy it replaces, so a repeated busy send-back of one copy
+    is stored once, and never equal to a counting resend's :func:`new_msg_id`.
+    """
+    digest = hashlib.blake2b(f"{group}\x00busy\x00{msg_id}".encode(), digest_size=16)
+    return digest.hexdigest().upper()
+
+
 def _frozen(properties: Mapping[str, str]) -> Mapping[str, str]:
     return MappingProxyType(dict(properties))
 

@@ -9,6 +9,10 @@ For a failed message it decides, through the group's :class:`RetryPolicy`:
   + 1, ``MAX_RECONSUME_TIMES``; it is stored in ``SCHEDULE_TOPIC_XXXX`` queue
   ``level - 1`` with ``REAL_TOPIC`` = ``%RETRY%<group>`` and ``REAL_QID`` = 0
   until it is due (level 0 meaning ``3 + reconsume_times``).
+
+A *busy* message (its key is claimed by another owner with a live lease) did not
+fail: :meth:`SendBackProcessor.process_busy` schedules it again after a short
+delay with ``reconsume_times`` unchanged and never dead-letters it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from idem.retry.message import (
     FailureRecord,
     MessageConst,
     MessageExt,
+    busy_msg_id,
     failure_properties,
     first_failed_at,
     new_msg_id,
@@ -35,6 +40,9 @@ from idem.retry.policy import DeliveryState, RetryPolicy, RocketMQLadder
 
 REAL_QUEUE_ID = 0
 """``%RETRY%<group>`` has one queue (``retryQueueNums = 1``)."""
+
+BUSY_DELAY_LEVEL = 1
+"""Delay level of a busy send-back: the first level (1 s by default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,43 +117,68 @@ class SendBackProcessor:
         delay = decision.delay
         due = now + delay.delay_ms
         reconsume_times = message.reconsume_times + 1
-        origin = message.origin_msg_id
+        props = failure_properties(message, failure)
+        msg_id = new_msg_id(self.group, message.origin_msg_id, reconsume_times)
+        scheduled = self._build(message, msg_id, reconsume_times=reconsume_times,
+                                level=delay.level, due=due, extra=props)
+        return Scheduled(
+            original=message,
+            message=scheduled,
+            level=delay.level,
+            queue_id=str(delay.level - 1) if delay.level > 0 else TIMER_QUEUE,
+            delay_ms=delay.delay_ms,
+            due_ms=due,
+        )
+
+    def process_busy(self, message: MessageExt, *, delay_level: int = BUSY_DELAY_LEVEL
+                     ) -> Scheduled:
+        """Schedule ``message`` again because its key is busy: not a failure.
+
+        ``reconsume_times`` and the failure history are kept (a key that is only
+        busy is never dead-lettered for it); the delay is ``delay_level``
+        (clamped to the ladder, default 1); the new msg id is derived from
+        ``message.msg_id`` (:func:`~idem.retry.message.busy_msg_id`).
+        """
+        level = min(max(delay_level, 1), self.levels.max_level)
+        delay_ms = self.levels.delay_ms(level)
+        due = self.clock.now_ms() + delay_ms
+        scheduled = self._build(message, busy_msg_id(self.group, message.msg_id),
+                                reconsume_times=message.reconsume_times, level=level, due=due,
+                                extra={})
+        return Scheduled(original=message, message=scheduled, level=level,
+                         queue_id=str(level - 1), delay_ms=delay_ms, due_ms=due)
+
+    def _build(self, message: MessageExt, msg_id: str, *, reconsume_times: int, level: int,
+               due: int, extra: dict[str, str]) -> MessageExt:
+        """The resent message, waiting in its schedule queue (level) or the timer (0)."""
         props = dict(message.properties)
-        props.update(failure_properties(message, failure))
+        props.update(extra)
         props.update({
             MessageConst.PROPERTY_RETRY_TOPIC: message.retry_topic_origin,
-            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: origin,
+            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: message.origin_msg_id,
             MessageConst.PROPERTY_RECONSUME_TIME: str(reconsume_times),
             MessageConst.PROPERTY_MAX_RECONSUME_TIMES: str(self.max_reconsume_times),
             MessageConst.PROPERTY_REAL_TOPIC: self.retry_topic,
             MessageConst.PROPERTY_REAL_QUEUE_ID: str(REAL_QUEUE_ID),
         })
-        if delay.level > 0:
-            topic, queue_id, schedule_qid = SCHEDULE_TOPIC, str(delay.level - 1), delay.level - 1
-            props[MessageConst.PROPERTY_DELAY_TIME_LEVEL] = str(delay.level)
+        if level > 0:
+            topic, schedule_qid = SCHEDULE_TOPIC, level - 1
+            props[MessageConst.PROPERTY_DELAY_TIME_LEVEL] = str(level)
             props.pop(MessageConst.PROPERTY_TIMER_DELIVER_MS, None)
         else:
-            topic, queue_id, schedule_qid = TIMER_TOPIC, TIMER_QUEUE, 0
+            topic, schedule_qid = TIMER_TOPIC, 0
             props[MessageConst.PROPERTY_TIMER_DELIVER_MS] = str(due)
             props.pop(MessageConst.PROPERTY_DELAY_TIME_LEVEL, None)
-        scheduled = MessageExt(
+        return MessageExt(
             topic=topic,
-            msg_id=new_msg_id(self.group, origin, reconsume_times),
+            msg_id=msg_id,
             body=message.body,
             keys=message.keys,
             tags=message.tags,
             queue_id=schedule_qid,
             queue_offset=0,
             born_timestamp=message.born_timestamp,
-            store_timestamp=now,
+            store_timestamp=self.clock.now_ms(),
             reconsume_times=reconsume_times,
             properties=props,
-        )
-        return Scheduled(
-            original=message,
-            message=scheduled,
-            level=delay.level,
-            queue_id=queue_id,
-            delay_ms=delay.delay_ms,
-            due_ms=due,
         )

@@ -15,10 +15,12 @@ from idem.retry.consumer.admin import (
     reset_offsets,
 )
 from idem.retry.consumer.errors import MQClientError, SendFailed
+from idem.retry.consumer.group_commit import CommitItem, GroupCommitter
 from idem.retry.consumer.listener import (
     BatchResult,
     ConsumeScope,
     DefaultMessageListenerConcurrently,
+    Deferred,
     Failure,
     MessageListenerConcurrently,
     MessageListenerOrderly,
@@ -30,9 +32,9 @@ from idem.retry.consumer.middleware import (
     DedupStats,
     DuplicateRecord,
     ExactlyOnceListener,
-    GroupCommitter,
     exactly_once,
     key_getter,
+    precedence,
 )
 from idem.retry.consumer.offset_store import (
     LocalFileOffsetStore,
@@ -58,6 +60,7 @@ from idem.retry.consumer.topics import MessageQueue, PullResult, PullStatus, Top
 
 __all__ = [
     "BatchResult",
+    "CommitItem",
     "ConsumeFromWhere",
     "ConsumeScope",
     "ConsumerSettings",
@@ -65,6 +68,7 @@ __all__ = [
     "DedupMiddleware",
     "DedupStats",
     "DefaultMessageListenerConcurrently",
+    "Deferred",
     "DuplicateRecord",
     "ExactlyOnceListener",
     "Failure",
@@ -98,6 +102,7 @@ __all__ = [
     "mark_done",
     "members",
     "new_message",
+    "precedence",
     "reset_offset_by_time",
     "reset_offsets",
     "select_message_queue_by_hash",

@@ -22,6 +22,7 @@ until the earliest deadline (at most 250 ms), and reads the timeout on every loo
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import defaultdict, deque
@@ -30,12 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from idem.errors import IdemError
-from idem.retry.consumer.listener import BatchResult
+from idem.retry.consumer.listener import BatchResult, Deferred, Failure
 from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.runtime import Runtime
 from idem.retry.consumer.topics import MessageQueue
 from idem.retry.engine import SendBackResult
 from idem.retry.message import MessageExt
+from idem.retry.sendback import BUSY_DELAY_LEVEL
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +145,17 @@ class ConcurrentlyService:
 
     def process_consume_result(self, messages: Sequence[MessageExt], result: BatchResult,
                                pq: ProcessQueue, mq: MessageQueue) -> None:
-        """Send back or drop the failures, remove the rest, move the offset."""
-        acked = [messages[i] for i in result.acked]
+        """Send back or drop the failures, remove the rest, move the offset.
+
+        Acknowledgements still *pending* (:class:`~idem.retry.consumer.listener.Deferred`,
+        e.g. a group-committed ledger write) keep their offsets back: they are settled
+        when the deferral resolves, or handled as failures if it fails.
+        """
+        pending = {i: d for i, d in result.pending.items()
+                   if i not in result.failed and i not in result.dead}
+        acked = [messages[i] for i in result.acked if i not in pending]
         failed = [messages[i] for i in sorted(result.failed)]
-        self.rt.stats.add(consumed_ok=len(acked), consume_failed=len(failed))
+        self.rt.stats.add(consumed_ok=len(acked) + len(pending), consume_failed=len(failed))
         keep: list[MessageExt] = []
         if self.rt.broadcasting:
             keep = [messages[i] for i, f in sorted(result.failed.items()) if f.transient]
@@ -159,14 +168,45 @@ class ConcurrentlyService:
         else:
             keep = self._send_back(messages, result)
         kept = {m.msg_id for m in keep}
-        offset = pq.remove_messages([m for m in messages if m.msg_id not in kept])
+        by_deferral: dict[int, tuple[Deferred, list[MessageExt]]] = {}
+        for i, deferred in sorted(pending.items()):
+            by_deferral.setdefault(id(deferred), (deferred, []))[1].append(messages[i])
+        waiting = {m.msg_id for _, batch in by_deferral.values() for m in batch}
+        pq.defer([messages[i] for i in pending])  # before the offset moves past them
+        offset = pq.remove_messages(
+            [m for m in messages if m.msg_id not in kept and m.msg_id not in waiting]
+        )
         if offset >= 0:
             self.rt.commit_offset(mq, pq, offset, increase_only=True)
         if self.rt.is_retry_queue(mq) and acked:
             self.rt.ack_retried(acked)
         if keep:
-            again = [m.evolve(reconsume_times=m.reconsume_times + 1) for m in keep]
+            busy = {messages[i].msg_id for i, f in result.failed.items() if not f.counts}
+            again = [m if m.msg_id in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
+                     for m in keep]
             self.submit_later(again, pq, mq, self._resubmit_delay_ms())
+        for deferred, batch in by_deferral.values():
+            deferred.on_resolved(functools.partial(self._settled, batch, pq=pq, mq=mq))
+
+    def _settled(self, messages: list[MessageExt], failure: Failure | None, *, pq: ProcessQueue,
+                 mq: MessageQueue) -> None:
+        """A deferred acknowledgement resolved: move the offset, or handle a failure."""
+        if failure is not None:
+            back = pq.restore(messages)
+            if back and not pq.dropped:
+                self.rt.stats.add(consumed_ok=-len(back))
+                self.process_consume_result(
+                    back, BatchResult(len(back), failed=dict.fromkeys(range(len(back)), failure)),
+                    pq, mq,
+                )
+            return
+        offset = pq.settle(messages)
+        if pq.dropped:  # taken away meanwhile: its results are not committed (C6)
+            return
+        if offset >= 0:
+            self.rt.commit_offset(mq, pq, offset, increase_only=True)
+        if self.rt.is_retry_queue(mq):
+            self.rt.ack_retried(messages)
 
     def _resubmit_delay_ms(self) -> int:
         engine = self.rt.engine
@@ -185,22 +225,26 @@ class ConcurrentlyService:
             }
             keep += self._call_engine(dead, -1, errors)
             self.rt.stats.add(dead_lettered=len(dead))
-        by_level: dict[int, list[int]] = defaultdict(list)
+        by_level: dict[tuple[int, bool], list[int]] = defaultdict(list)
         for i, failure in sorted(result.failed.items()):
-            by_level[failure.delay_level].append(i)
-        for level, indices in by_level.items():
+            by_level[failure.delay_level, failure.counts].append(i)
+        for (level, counts), indices in by_level.items():
             batch = [messages[i] for i in indices]
             errors = {messages[i].msg_id: result.failed[i].reason for i in indices}
-            keep += self._call_engine(batch, level, errors)
+            keep += self._call_engine(batch, level, errors, counts=counts)
             self.rt.stats.add(sent_back=len(batch))
         return keep
 
     def _call_engine(self, batch: Sequence[MessageExt], level: int,
-                     errors: dict[str, str | BaseException]) -> list[MessageExt]:
+                     errors: dict[str, str | BaseException], *,
+                     counts: bool = True) -> list[MessageExt]:
         engine = self.rt.engine
         assert engine is not None
         try:
-            outcome = engine.send_back(batch, delay_level=level, errors=errors)
+            if counts:
+                outcome = engine.send_back(batch, delay_level=level, errors=errors)
+            else:  # busy: not a failure, reconsume_times is kept
+                outcome = engine.send_back_busy(batch, delay_level=level or BUSY_DELAY_LEVEL)
         except Exception:
             log.exception("%s: send-back of %d message(s) failed; consuming them again later",
                           self.rt.client_id, len(batch))

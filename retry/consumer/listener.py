@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,12 +52,71 @@ class Failure:
 
     ``transient``: not the listener's failure but "not now" (a key busy elsewhere, the
     dedup store unreachable) — a broadcasting consumer consumes it again locally
-    instead of dropping it.
+    instead of dropping it. ``counts=False``: the send-back keeps ``reconsume_times``
+    (:meth:`~idem.retry.RetryEngine.send_back_busy`), so a key that is merely busy is
+    never dead-lettered for it.
     """
 
     reason: str
     delay_level: int = 0
     transient: bool = False
+    counts: bool = True
+
+
+class Deferred:
+    """Acknowledgements that become final later (e.g. once a group commit is durable).
+
+    Until it resolves, the consumer keeps the messages' offsets back and does not
+    acknowledge them; it resolves with ``None`` (done) or the :class:`Failure`
+    every one of its messages then gets. Callbacks run once, in the resolving
+    thread (at once when added after the resolution).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._resolved = False
+        self._failure: Failure | None = None
+        self._callbacks: list[Callable[[Failure | None], None]] = []
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the outcome is known."""
+        with self._cond:
+            return self._resolved
+
+    def resolve(self, failure: Failure | None = None) -> None:
+        """Settle: ``None`` means done; a second call is ignored."""
+        with self._cond:
+            if self._resolved:
+                return
+            self._resolved, self._failure = True, failure
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for callback in callbacks:
+            _run_callback(callback, failure)
+
+    def on_resolved(self, callback: Callable[[Failure | None], None]) -> None:
+        """Call ``callback(failure)`` when resolved (now, if it already is)."""
+        with self._cond:
+            if not self._resolved:
+                self._callbacks.append(callback)
+                return
+            failure = self._failure
+        _run_callback(callback, failure)
+
+    def wait(self, timeout: float | None = None) -> Failure | None:
+        """Block until resolved; return its failure (``None``: done). Raises ``TimeoutError``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._resolved, timeout):
+                raise TimeoutError("deferred acknowledgement not resolved in time")
+            return self._failure
+
+
+def _run_callback(callback: Callable[[Failure | None], None], failure: Failure | None) -> None:
+    try:
+        callback(failure)
+    except Exception:  # one consumer's bookkeeping must not stop the others'
+        log.exception("a deferred acknowledgement callback failed")
 
 
 @dataclass(slots=True)
@@ -68,10 +128,13 @@ class BatchResult:
     dead: dict[int, str] = field(default_factory=dict)
     suspend_ms: int = -1
     """Orderly: how long to pause the queue after a failure (``-1``: the consumer's default)."""
+    pending: dict[int, Deferred] = field(default_factory=dict)
+    """Acknowledged indices that are final only once their :class:`Deferred` resolves
+    (offered only when :attr:`ConsumeScope.defer_acks` is set)."""
 
     @property
     def acked(self) -> list[int]:
-        """Indices neither failed nor dead."""
+        """Indices neither failed nor dead (including pending ones)."""
         return [i for i in range(self.size) if i not in self.failed and i not in self.dead]
 
     @property
@@ -116,6 +179,7 @@ class BatchResult:
             failed={indices[k]: f for k, f in self.failed.items()},
             dead={indices[k]: r for k, r in self.dead.items()},
             suspend_ms=self.suspend_ms,
+            pending={indices[k]: d for k, d in self.pending.items()},
         )
 
 
@@ -126,6 +190,9 @@ class ConsumeScope:
     mq: MessageQueue
     client_id: str
     orderly: bool
+    defer_acks: bool = False
+    """Whether the caller honours :attr:`BatchResult.pending` (else a layer must finish
+    its work before it returns)."""
 
 
 CallNext = Callable[[Sequence[MessageExt]], BatchResult]

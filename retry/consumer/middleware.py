@@ -17,13 +17,19 @@ Around every consume call the middleware (DESIGN §1):
    one key) and claims them in Redis for this instance's owner token;
 3. hands only the fresh messages to the listener; duplicates are acknowledged
    and counted with their cause; a key claimed by someone else (*busy*) is sent
-   back to be tried later, never dropped;
+   back after a short delay without counting as a reconsume
+   (:meth:`~idem.retry.RetryEngine.send_back_busy`), never dropped. Among copies
+   of one key in one call the retried copy (highest ``reconsume_times``) wins,
+   then the lowest queue offset, then the earliest born time: a fresh
+   redelivery never cuts a retry chain short;
 4. completes the keys that reached the sink — the listener's
    :func:`~idem.retry.consumer.listener.mark_done` marks if it gave any,
    otherwise the messages it acknowledged — *after* the listener returned, so a
-   key is done only once the sink holds it; the ledger commits of concurrent
-   calls are grouped into one Delta commit (group commit), and each call waits
-   for its own before it returns, so the offset never passes an uncommitted key;
+   key is done only once the sink holds it. The keys of many calls go into one
+   ledger commit (:mod:`~idem.retry.consumer.group_commit`); a concurrent
+   consumer gets the messages back as *pending* and keeps their offsets (and
+   retry-topic acks) back until that commit is durable, while the claims and
+   this instance's reservation of the keys stay held; an orderly consumer waits;
 5. releases the claims of the rest.
 
 Broadcasting: every instance must consume every key once, so give each instance
@@ -33,25 +39,30 @@ then consumed again locally rather than dropped.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
-import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
 import redis
 
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey
 from idem.keys import fingerprint, validate_key
-from idem.outcome import BatchClaim, CommitOutcome
+from idem.outcome import BatchClaim
+from idem.retry.consumer.group_claim import GroupClaimer
+from idem.retry.consumer.group_commit import (
+    DEFAULT_COMMIT_INTERVAL_MS,
+    DEFAULT_COMMIT_MAX_KEYS,
+    DEFAULT_MAX_PENDING_KEYS,
+    CommitItem,
+    GroupCommitter,
+)
 from idem.retry.consumer.listener import (
     BatchResult,
     CallNext,
@@ -59,9 +70,8 @@ from idem.retry.consumer.listener import (
     Failure,
     collecting_marks,
 )
-from idem.retry.consumer.rebalance import load_script
-from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.message import MessageExt
+from idem.retry.sendback import BUSY_DELAY_LEVEL
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +79,16 @@ KeySource = str | Callable[[MessageExt], object]
 """``"keys"``, ``"tags"``, ``"msg_id"``, ``"property.<NAME>"``, ``"body.<json.path>"`` or a
 callable taking the message."""
 
-COMMIT_LOCK_TTL_MS = 10_000
-"""Longest one ledger commit may hold the group's commit lock."""
-
 BUSY = "busy"
 """The cause recorded for a key another consumer (or call) is processing right now."""
+
+
+def precedence(message: MessageExt) -> tuple[int, int, int]:
+    """Sort key of copies of one key in one call: the first one is consumed, the rest are
+    duplicates. The most retried copy first (its chain must go on, and a fresh copy's
+    send-back would reuse its msg id), then the lowest queue offset, then the earliest
+    born time."""
+    return (-message.reconsume_times, message.queue_offset, message.born_timestamp)
 
 
 def key_getter(source: KeySource) -> Callable[[MessageExt], object]:
@@ -154,118 +169,6 @@ class DedupStats:
             return [r for r in self.records if cause is None or r.cause == cause]
 
 
-@dataclass
-class _Pending:
-    keys: list[str]
-    prints: list[str]
-    messages: list[MessageExt]
-    done: bool = False
-    outcome: CommitOutcome | None = None
-    error: BaseException | None = None
-
-
-class GroupCommitter:
-    """Completes the keys of concurrent calls of one owner in one ledger commit at a time.
-
-    A caller queues its keys and waits; whoever finds no commit running commits
-    everything queued (leader/follower, like a database's group commit).
-    ``txnAppId`` is ``idem:<group>:<owner>`` and ``txnVersion`` counts up, so the
-    commits of one owner are strictly ordered.
-
-    With ``client``, the instances of a group also take turns through a Redis
-    lock (``rmq:lock:{<group>}:ledger-commit``): concurrent Delta commits would
-    only conflict and retry, and commits in turn keep every bucket's index
-    watermark contiguous, so claims need not catch up from the ledger. The lock
-    is an optimisation, not a guarantee: when it lapses, Delta's own conflict
-    check still keeps the ledger right.
-    """
-
-    def __init__(self, dedup: Dedup, owner: str, *, client: redis.Redis | None = None,
-                 lock_ttl_ms: int = COMMIT_LOCK_TTL_MS) -> None:
-        self.dedup = dedup
-        self.owner = owner
-        self.app_id = f"idem:{dedup.config.group}:{owner}"
-        self.client = client
-        self.lock_key = f"rmq:lock:{{{dedup.config.group}}}:ledger-commit"
-        self.lock_ttl_ms = lock_ttl_ms
-        self._unlock = load_script(client, "unlock.lua") if client is not None else None
-        self._cond = threading.Condition()
-        self._queue: list[_Pending] = []
-        self._leading = False
-        self._seq = 0
-
-    def _acquire(self) -> bool:
-        if self.client is None:
-            return False
-        deadline = time.monotonic() + self.lock_ttl_ms / 1000
-        delay = 0.001
-        while time.monotonic() < deadline:
-            try:
-                if self.client.set(self.lock_key, self.owner, nx=True, px=self.lock_ttl_ms):
-                    return True
-            except REDIS_TRANSIENT:
-                return False  # Redis is away: commit anyway, Delta arbitrates
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-        log.warning("ledger commit lock not acquired in %d ms; committing anyway",
-                    self.lock_ttl_ms)
-        return False
-
-    def _release(self) -> None:
-        if self.client is not None and self._unlock is not None:
-            with contextlib.suppress(*REDIS_TRANSIENT):
-                self._unlock(keys=[self.lock_key], args=[self.owner])
-
-    def commit(self, item: _Pending) -> CommitOutcome:
-        """Complete ``item``'s keys (ledger, then Redis); raises what the commit raised."""
-        with self._cond:
-            self._queue.append(item)
-            while not item.done and self._leading:
-                self._cond.wait()
-            if not item.done:
-                self._leading = True
-                batch, self._queue = self._queue, []
-        if not item.done:
-            try:
-                self._commit(batch)
-            finally:
-                with self._cond:
-                    self._leading = False
-                    self._cond.notify_all()
-        if item.error is not None:
-            raise item.error
-        assert item.outcome is not None
-        return item.outcome
-
-    def _commit(self, batch: list[_Pending]) -> None:
-        keys = [k for p in batch for k in p.keys]
-        prints = [f for p in batch for f in p.prints]
-        messages = [m for p in batch for m in p.messages]
-        claim = BatchClaim(owner=self.owner, keys=tuple(keys), fingerprints=tuple(prints),
-                           fresh=tuple(range(len(keys))), duplicates={}, busy=(), invalid=())
-        meta = pa.table({
-            "msg_id": pa.array([m.msg_id for m in messages], pa.string()),
-            "origin_msg_id": pa.array([m.origin_msg_id for m in messages], pa.string()),
-            "topic": pa.array([m.topic for m in messages], pa.string()),
-            "queue_id": pa.array([m.queue_id for m in messages], pa.int32()),
-            "queue_offset": pa.array([m.queue_offset for m in messages], pa.int64()),
-        })
-        locked = self._acquire()
-        try:
-            outcome: CommitOutcome | None = self.dedup.complete(
-                claim, batch_id=self._seq, app_id=self.app_id, meta=meta
-            )
-            error: BaseException | None = None
-        except Exception as exc:
-            outcome, error = None, exc
-        finally:
-            if locked:
-                self._release()
-        self._seq += 1
-        for pending in batch:
-            pending.outcome, pending.error, pending.done = outcome, error, True
-
-
 class DedupMiddleware:
     """Exactly once per business key around a consumer's listener (see the module doc)."""
 
@@ -275,8 +178,12 @@ class DedupMiddleware:
         *,
         key: KeySource = "keys",
         owner: str | None = None,
-        busy_delay_level: int = 0,
+        busy_delay_level: int = BUSY_DELAY_LEVEL,
         client: redis.Redis | None = None,
+        commit_lock: bool = True,
+        commit_interval_ms: int = DEFAULT_COMMIT_INTERVAL_MS,
+        commit_max_keys: int = DEFAULT_COMMIT_MAX_KEYS,
+        max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS,
     ) -> None:
         self.dedup = dedup
         self.key_source = key
@@ -285,25 +192,16 @@ class DedupMiddleware:
         self.owner = owner or f"consumer-{uuid.uuid4().hex}"
         self.busy_delay_level = busy_delay_level
         lock_client = client if client is not None else getattr(dedup.hot, "client", None)
-        self.committer = GroupCommitter(dedup, self.owner, client=lock_client)
         self.stats = DedupStats()
+        self.claimer = GroupClaimer(dedup, self.owner, field=self.field)
+        self.committer = GroupCommitter(
+            dedup, self.owner, client=lock_client if commit_lock else None,
+            interval_ms=commit_interval_ms, max_keys=commit_max_keys,
+            max_pending_keys=max_pending_keys,
+            on_commit=lambda _keys: self.stats.add(commits=1),
+        )
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
-        self._ready = False
-        self._ready_lock = threading.Lock()
-
-    def _catch_up_once(self) -> None:
-        """Bring the Redis index up to the ledger once, before the first claims.
-
-        Otherwise every consume thread's first claim finds the index missing and
-        rebuilds every bucket at the same time.
-        """
-        if self._ready:
-            return
-        with self._ready_lock:
-            if not self._ready:
-                self.dedup.catch_up()
-                self._ready = True
 
     def _raw_keys(self, messages: Sequence[MessageExt]) -> list[object]:
         out: list[object] = []
@@ -314,48 +212,49 @@ class DedupMiddleware:
                 out.append(None)  # undecodable body: reported as a null key
         return out
 
-    def _reserve(self, raw: Sequence[object], order: Sequence[int]) -> tuple[set[str], list[str]]:
-        """Reserve the keys in this instance; returns (keys held by another call, reserved)."""
+    def _reserve(self, raw: Sequence[object], order: Sequence[int]
+                 ) -> tuple[list[str | None], set[str], list[str]]:
+        """Validate and reserve the keys in this instance.
+
+        Returns each message's key (``None``: invalid), the keys another call of this
+        instance holds, and the keys reserved for this call.
+        """
         limit = self.dedup.config.max_key_bytes
+        keys: list[str | None] = [None] * len(raw)
         held: set[str] = set()
-        reserved: list[str] = []
+        reserved: dict[str, None] = {}  # insertion-ordered set
         with self._lock:
             for i in order:
                 try:
                     key = validate_key(raw[i], field=self.field, max_bytes=limit)
                 except InvalidKey:
                     continue
+                keys[i] = key
                 if key in held or key in reserved:
                     continue
                 if key in self._inflight:
                     held.add(key)
                 else:
                     self._inflight.add(key)
-                    reserved.append(key)
-        return held, reserved
+                    reserved[key] = None
+        return keys, held, list(reserved)
 
     def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
                  call_next: CallNext) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
         size = len(messages)
-        try:
-            self._catch_up_once()
-        except Exception as exc:
-            log.warning("dedup index unavailable; the batch will be retried", exc_info=True)
-            return BatchResult(size, failed=dict.fromkeys(
-                range(size), Failure(f"dedup unavailable: {exc}", transient=True)))
-        order = sorted(range(size), key=lambda i: (messages[i].queue_offset,
-                                                   messages[i].born_timestamp))
+        order = sorted(range(size), key=lambda i: precedence(messages[i]))
         raw = self._raw_keys(messages)
-        held, reserved = self._reserve(raw, order)
+        keys, held, reserved = self._reserve(raw, order)
+        kept: set[str] = set()  # reserved until their group commit resolves
         try:
-            result, here = self._split_held(raw, held)
+            result, here = self._split_held(keys, held)
             position = {i: k for k, i in enumerate(here)}
             try:
-                claim = self.dedup.begin(
-                    [raw[i] for i in here], owner=self.owner,
+                claim = self.claimer.claim(
+                    [raw[i] for i in here],
                     fingerprints=[fingerprint(messages[i].body) for i in here],
-                    order=[position[i] for i in order if i in position], field=self.field,
+                    order=[position[i] for i in order if i in position],
                 )
             except Exception as exc:
                 log.warning("dedup claim failed; the batch will be retried", exc_info=True)
@@ -364,25 +263,28 @@ class DedupMiddleware:
                 return result
             self._classify(messages, scope, raw, claim, here=here, result=result)
             if claim.fresh:
-                self._run_fresh(messages, claim, here, call_next, result)
+                kept = self._run_fresh(messages, scope, claim, here=here, call_next=call_next,
+                                      result=result)
             return result
         finally:
-            with self._lock:
-                self._inflight.difference_update(reserved)
+            self._unreserve(k for k in reserved if k not in kept)
 
-    def _split_held(self, raw: Sequence[object], held: set[str]) -> tuple[BatchResult, list[int]]:
+    def _unreserve(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._inflight.difference_update(keys)
+
+    def flush(self, timeout_ms: int | None = None) -> bool:
+        """Commit what is queued now and wait for it (a consumer's shutdown calls this)."""
+        return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
+
+    def _split_held(self, keys: Sequence[str | None], held: set[str]
+                    ) -> tuple[BatchResult, list[int]]:
         """Messages whose key another call of this instance holds are busy; the rest go on."""
-        result = BatchResult(len(raw))
-        limit = self.dedup.config.max_key_bytes
+        result = BatchResult(len(keys))
         here: list[int] = []
-        for i, value in enumerate(raw):
-            try:
-                key: str | None = validate_key(value, field=self.field, max_bytes=limit)
-            except InvalidKey:
-                key = None
+        for i, key in enumerate(keys):
             if key is not None and key in held:
-                result.failed[i] = Failure("busy: key in flight in this consumer",
-                                           self.busy_delay_level, transient=True)
+                result.failed[i] = self._busy("busy: key in flight in this consumer")
             else:
                 here.append(i)
         return result, here
@@ -406,8 +308,7 @@ class DedupMiddleware:
                                               scope.client_id))
         for k in claim.busy:
             i = here[k]
-            result.failed[i] = Failure("busy: key claimed by another consumer",
-                                       self.busy_delay_level, transient=True)
+            result.failed[i] = self._busy("busy: key claimed by another consumer")
             records.append(DuplicateRecord.of(claim.keys[k] or "", BUSY, messages[i],
                                               scope.client_id))
         for bad in claim.invalid:
@@ -415,8 +316,13 @@ class DedupMiddleware:
         self.stats.add(records, fresh=len(claim.fresh), invalid=len(claim.invalid),
                        busy=sum(1 for r in records if r.cause == BUSY))
 
-    def _run_fresh(self, messages: Sequence[MessageExt], claim: BatchClaim, here: list[int],
-                   call_next: CallNext, result: BatchResult) -> None:
+    def _busy(self, reason: str) -> Failure:
+        """A busy key: sent back after a short delay, not counted as a reconsume."""
+        return Failure(reason, self.busy_delay_level, transient=True, counts=False)
+
+    def _run_fresh(self, messages: Sequence[MessageExt], scope: ConsumeScope, claim: BatchClaim,
+                   *, here: list[int], call_next: CallNext, result: BatchResult) -> set[str]:
+        """Consume the fresh messages; returns the keys left reserved for a pending commit."""
         fresh = [here[k] for k in claim.fresh]
         with collecting_marks() as marks:
             try:
@@ -436,32 +342,55 @@ class DedupMiddleware:
                       if here[k] not in mapped.failed and here[k] not in mapped.dead]
         done = set(done_k)
         release_k = [k for k in claim.fresh if k not in done]
-        if done_k:
-            pending = _Pending(keys=[claim.keys[k] or "" for k in done_k],
-                               prints=[claim.fingerprints[k] for k in done_k],
-                               messages=[messages[here[k]] for k in done_k])
-            try:
-                outcome = self.committer.commit(pending)
-            except Exception as exc:
-                log.warning("completing %d key(s) failed; they will be consumed again",
-                            len(done_k), exc_info=True)
-                for k in done_k:
-                    result.failed.setdefault(here[k], Failure(f"dedup commit failed: {exc}",
-                                                              transient=True))
-                release_k += done_k
-            else:
-                slipped = set(outcome.slipped)
-                records = [DuplicateRecord.of(key, "slipped", messages[here[k]], "")
-                           for k in done_k if (key := claim.keys[k] or "") in slipped]
-                self.stats.add(records, completed=len(done_k), commits=1,
-                               slipped=len(records))
         if release_k:
-            try:
-                self.dedup.release(claim, release_k)
-            except Exception:
-                log.warning("releasing %d claim(s) failed; their lease will expire",
-                            len(release_k), exc_info=True)
-            self.stats.add(released=len(release_k))
+            self._release(claim, release_k)
+        if not done_k:
+            return set()
+        item = CommitItem(keys=[claim.keys[k] or "" for k in done_k],
+                          prints=[claim.fingerprints[k] for k in done_k],
+                          messages=[messages[here[k]] for k in done_k])
+        try:
+            deferred = self.committer.submit(item)
+        except Exception as exc:
+            self._release(claim, done_k)
+            for k in done_k:
+                result.failed.setdefault(here[k], Failure(f"dedup commit failed: {exc}",
+                                                          transient=True))
+            return set()
+        deferred.on_resolved(lambda failure: self._committed(item, claim, done_k, failure))
+        if scope.defer_acks and not scope.orderly:
+            for k in done_k:
+                if here[k] not in result.failed and here[k] not in result.dead:
+                    result.pending[here[k]] = deferred
+            return set(item.keys)
+        failure = deferred.wait()  # orderly, or a caller that cannot defer: wait here
+        if failure is not None:
+            for k in done_k:
+                result.failed.setdefault(here[k], failure)
+        return set()
+
+    def _committed(self, item: CommitItem, claim: BatchClaim, done_k: list[int],
+                   failure: Failure | None) -> None:
+        """A group commit resolved: count it, or give the claims back; end the reservation."""
+        try:
+            if failure is not None or item.outcome is None:
+                self._release(claim, done_k)
+                return
+            slipped = set(item.outcome.slipped)
+            records = [DuplicateRecord.of(key, "slipped", message, "")
+                       for key, message in zip(item.keys, item.messages, strict=True)
+                       if key in slipped]
+            self.stats.add(records, completed=len(item.keys), slipped=len(records))
+        finally:
+            self._unreserve(item.keys)
+
+    def _release(self, claim: BatchClaim, indices: list[int]) -> None:
+        try:
+            self.dedup.release(claim, indices)
+        except Exception:
+            log.warning("releasing %d claim(s) failed; their lease will expire",
+                        len(indices), exc_info=True)
+        self.stats.add(released=len(indices))
 
     def listener(self, fn: Callable[..., Any]) -> ExactlyOnceListener:
         """Wrap ``fn`` so that registering it also installs this middleware."""

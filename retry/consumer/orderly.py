@@ -210,6 +210,12 @@ class OrderlyService:
         self.rt.stats.add(consume_failed=len(messages))
         suspend_ms = result.suspend_ms if result.suspend_ms >= 0 else \
             self.rt.settings.suspend_current_queue_time_millis
+        if not result.dead and not any(f.counts for f in result.failed.values()):
+            # only busy keys: try again in place without counting a reconsume
+            self.rt.stats.add(suspended=1)
+            pq.make_message_to_consume_again(messages)
+            self._later(pq, mq, suspend_ms)
+            return False
         context = ConsumeOrderlyContext(suspend_current_queue_time_millis=suspend_ms)
         outcome = orderly_outcome(
             messages, ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT, context,

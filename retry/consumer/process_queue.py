@@ -9,6 +9,11 @@ Flow control reads three numbers here: cached message count, cached size and
 the offset span between the first and the last cached message. An orderly
 consumer also keeps the messages it is consuming apart until they commit
 (``consumingMsgOrderlyTreeMap``).
+
+A consumed message whose acknowledgement waits for something durable (idem's
+group-committed ledger) is *awaiting*: no longer cached (it neither counts for
+flow control nor is consumed or expired again), but its offset still holds the
+committed offset back until it is settled.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class ProcessQueue:
         self._messages: dict[int, MessageExt] = {}
         self._started: dict[int, int] = {}
         self._consuming: dict[int, MessageExt] = {}
+        self._awaiting: dict[int, str] = {}
+        self._awaiting_offsets: list[int] = []
         self._size = 0
         self.queue_offset_max = -1
         self.dropped = False
@@ -75,10 +82,21 @@ class ProcessQueue:
         with self._lock:
             return self._offsets[-1] - self._offsets[0] if self._offsets else 0
 
-    def first_offset(self) -> int | None:
-        """The smallest offset in flight (``None``: none)."""
+    @property
+    def awaiting_count(self) -> int:
+        """Consumed messages whose acknowledgement is not final yet."""
         with self._lock:
-            return self._offsets[0] if self._offsets else None
+            return len(self._awaiting)
+
+    def first_offset(self) -> int | None:
+        """The smallest offset in flight, awaiting ones included (``None``: none)."""
+        with self._lock:
+            firsts = [o[0] for o in (self._offsets, self._awaiting_offsets) if o]
+            return min(firsts) if firsts else None
+
+    def _commit_offset(self) -> int:
+        first = self.first_offset()
+        return first if first is not None else self.queue_offset_max + 1
 
     def snapshot(self) -> list[MessageExt]:
         """The cached messages in offset order (a copy)."""
@@ -93,7 +111,8 @@ class ProcessQueue:
         with self._lock:
             for message in messages:
                 offset = message.queue_offset
-                if offset in self._messages or offset in self._consuming:
+                if offset in self._messages or offset in self._consuming \
+                        or offset in self._awaiting:
                     continue
                 bisect.insort(self._offsets, offset)
                 self._messages[offset] = message
@@ -107,16 +126,70 @@ class ProcessQueue:
         with self._lock:
             if not self._messages:
                 return -1
+            self._uncache(messages)
+            return self._commit_offset()
+
+    def _uncache(self, messages: Iterable[MessageExt]) -> list[MessageExt]:
+        removed: list[MessageExt] = []
+        for message in messages:
+            offset = message.queue_offset
+            cached = self._messages.get(offset)
+            if cached is None or cached.msg_id != message.msg_id:
+                continue
+            del self._messages[offset]
+            self._started.pop(offset, None)
+            del self._offsets[bisect.bisect_left(self._offsets, offset)]
+            self._size -= message_size(cached)
+            removed.append(cached)
+        return removed
+
+    # -- acknowledgements that wait for something durable ------------------------------
+
+    def defer(self, messages: Iterable[MessageExt]) -> int:
+        """Move consumed ``messages`` from the cache to *awaiting*; returns how many moved.
+
+        They stop counting for flow control and the consume timeout, but keep the
+        committed offset from passing them until :meth:`settle`.
+        """
+        with self._lock:
+            moved = self._uncache(messages)
+            for message in moved:
+                self._awaiting[message.queue_offset] = message.msg_id
+                bisect.insort(self._awaiting_offsets, message.queue_offset)
+            return len(moved)
+
+    def settle(self, messages: Iterable[MessageExt]) -> int:
+        """Forget awaiting ``messages``; returns the offset to commit (``-1``: none of them
+        was awaiting here, e.g. the queue was cleared)."""
+        with self._lock:
+            settled = False
             for message in messages:
-                offset = message.queue_offset
-                cached = self._messages.get(offset)
-                if cached is None or cached.msg_id != message.msg_id:
+                settled = self._take_awaiting(message) or settled
+            return self._commit_offset() if settled else -1
+
+    def _take_awaiting(self, message: MessageExt) -> bool:
+        """Remove ``message`` from the awaiting set (lock held); whether it was there."""
+        offset = message.queue_offset
+        if self._awaiting.get(offset) != message.msg_id:
+            return False
+        del self._awaiting[offset]
+        del self._awaiting_offsets[bisect.bisect_left(self._awaiting_offsets, offset)]
+        return True
+
+    def restore(self, messages: Iterable[MessageExt]) -> list[MessageExt]:
+        """Put awaiting ``messages`` back in the cache (their acknowledgement failed); returns
+        those that were awaiting."""
+        back: list[MessageExt] = []
+        with self._lock:
+            for message in messages:
+                if not self._take_awaiting(message):
                     continue
-                del self._messages[offset]
-                self._started.pop(offset, None)
-                del self._offsets[bisect.bisect_left(self._offsets, offset)]
-                self._size -= message_size(cached)
-            return self._offsets[0] if self._offsets else self.queue_offset_max + 1
+                offset = message.queue_offset
+                bisect.insort(self._offsets, offset)
+                self._messages[offset] = message
+                self._size += message_size(message)
+                back.append(message)
+        return back
 
     def contains(self, message: MessageExt) -> bool:
         """Whether ``message`` is still cached (not consumed, expired or dropped)."""
@@ -231,8 +304,11 @@ class ProcessQueue:
             self._messages.clear()
             self._started.clear()
             self._consuming.clear()
+            self._awaiting.clear()
+            self._awaiting_offsets.clear()
             self._size = 0
 
     def __repr__(self) -> str:
-        return (f"ProcessQueue({self.mq}, cached={self.msg_count}, next={self.next_offset}, "
+        return (f"ProcessQueue({self.mq}, cached={self.msg_count}, "
+                f"awaiting={self.awaiting_count}, next={self.next_offset}, "
                 f"dropped={self.dropped})")

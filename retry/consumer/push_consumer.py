@@ -191,7 +191,8 @@ class PushConsumer:
 
     def build_chain(self, mq: MessageQueue, *, orderly: bool) -> CallNext:
         """The middleware chain ending in the listener, for one call on ``mq``."""
-        scope = ConsumeScope(mq=mq, client_id=self.client_id, orderly=orderly)
+        scope = ConsumeScope(mq=mq, client_id=self.client_id, orderly=orderly,
+                             defer_acks=not orderly)
         terminal = self._call_orderly if orderly else self._call_concurrently
         return chain(self._middleware, terminal, scope)
 
@@ -445,6 +446,7 @@ class PushConsumer:
         service = self.orderly_service or self.concurrently_service
         if service is not None:
             service.shutdown(self.settings.await_termination_ms)
+        self._flush_middleware()
         self.persist_consumer_offset()
         assert self.rebalance is not None
         assert self.membership is not None
@@ -457,6 +459,20 @@ class PushConsumer:
             log.warning("%s: could not leave the group cleanly", self.client_id, exc_info=True)
         self.scheduler.stop()
         log.info("%s: shut down", self.client_id)
+
+    def _flush_middleware(self) -> None:
+        """Let layers that hold acknowledgements back (idem's group commit) finish them, so the
+        offsets persisted next include them."""
+        for layer in self._middleware:
+            flush = getattr(layer, "flush", None)
+            if flush is None:
+                continue
+            try:
+                if not flush(self.settings.await_termination_ms):
+                    log.warning("%s: %r did not finish its pending acknowledgements in time",
+                                self.client_id, layer)
+            except Exception:
+                log.warning("%s: flushing %r failed", self.client_id, layer, exc_info=True)
 
     def kill(self) -> None:
         """Stop as a crash would: nothing persisted, no leave, no unlock.

@@ -2,7 +2,8 @@
 
 Run by the C3 scenario: ``python crash_consumer.py '<json settings>'``. The kill
 comes after the listener wrote the sink and after the dedup hook (when on)
-completed the key — so after consuming, before the next offset persist.
+completed the key — its group commit is durable — so after consuming, before the
+next offset persist.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ class CrashAfter:
     def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
                  call_next: CallNext) -> BatchResult:
         result = call_next(messages)
-        if any(m.keys == self.key for m in messages):
+        hit = [i for i, m in enumerate(messages) if m.keys == self.key]
+        if hit:
+            pending = result.pending.get(hit[0])
+            if pending is not None:  # the dedup hook's group commit: wait until durable
+                pending.wait(30)
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 

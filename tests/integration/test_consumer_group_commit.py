@@ -1,0 +1,131 @@
+"""The push consumer with idem's dedup hook on a real redis-server: busy keys and group commit.
+
+- A key another consumer holds comes back again and again without counting as a
+  reconsume: it is never dead-lettered for being busy, and is consumed once free.
+- The offset of a consumed message does not move until its group-committed ledger
+  write is durable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.config import IdemConfig
+from idem.dedup import Dedup
+from idem.redis_server import RedisServer
+from idem.retry.consumer import (
+    ConsumeFromWhere,
+    ConsumerSettings,
+    DedupMiddleware,
+    MessageQueue,
+    Producer,
+    PushConsumer,
+    ReadOffsetType,
+    TopicStore,
+    new_message,
+)
+from idem.retry.message import MessageExt
+from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
+
+pytestmark = pytest.mark.integration
+
+FAST = ConsumerSettings(
+    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
+    heartbeat_interval_ms=100, heartbeat_expire_ms=600, rebalance_interval_ms=500,
+    persist_consumer_offset_interval_ms=100, consume_thread_nums=4,
+)
+
+
+def eventually(check: Callable[[], object], timeout: float = 20.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+class Sink:
+    """Records every message it was handed (the sink's durable state, in memory)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: list[str] = []
+
+    def __call__(self, messages: Sequence[MessageExt],
+                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+        with self.lock:
+            self.keys += [m.keys or "" for m in messages]
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+
+def _consumer(config: IdemConfig, server: RedisServer, sink: Sink,
+              **hook: object) -> tuple[PushConsumer, DedupMiddleware]:
+    consumer = PushConsumer(config, settings=FAST, client=server.client())
+    consumer.subscribe("orders")
+    middleware = DedupMiddleware(Dedup(config, client=server.client()),
+                                 **hook)  # type: ignore[arg-type]
+    consumer.use(middleware)
+    consumer.register_message_listener_concurrently(sink)
+    return consumer, middleware
+
+
+def test_a_busy_key_comes_back_without_counting_and_is_consumed_once_free(
+    redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
+) -> None:
+    config = IdemConfig(group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
+                        data_dir=str(tmp_path), delay_levels="1s 1s 1s",
+                        max_reconsume_times=1)
+    TopicStore(real_redis).create_topic("orders", 1)
+    other = Dedup(config, client=redis_server.client())
+    held = other.begin(["ORDER-1"], owner="another-consumer")  # a live claim elsewhere
+    sink = Sink()
+    consumer, hook = _consumer(config, redis_server, sink)
+    consumer.start()
+    try:
+        Producer("p", client=real_redis).send(new_message("orders", b"{}", keys="ORDER-1"))
+        # counted, the second busy round would dead-letter it (max_reconsume_times=1)
+        eventually(lambda: hook.stats.busy >= 3)
+        assert sink.keys == []
+        other.release(held)
+        eventually(lambda: sink.keys == ["ORDER-1"])
+        engine = consumer.engine
+        assert engine is not None
+        eventually(lambda: engine.pending() == 0)
+        assert engine.dlq.count() == 0
+        assert sink.keys == ["ORDER-1"]
+    finally:
+        consumer.shutdown()
+
+
+def test_the_offset_waits_for_the_group_commit(
+    redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
+) -> None:
+    config = IdemConfig(group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
+                        data_dir=str(tmp_path))
+    TopicStore(real_redis).create_topic("orders", 1)
+    sink = Sink()
+    consumer, hook = _consumer(config, redis_server, sink, commit_interval_ms=1500)
+    mq = MessageQueue("orders", 0)
+    consumer.start()
+    try:
+        Producer("p", client=real_redis).send_batch(
+            [new_message("orders", b"{}", keys=f"ORDER-{i}") for i in range(4)]
+        )
+        eventually(lambda: len(sink.keys) == 4)
+        # in the sink, not yet in the ledger: the offset stays before them
+        assert hook.committer.pending_keys == 4
+        assert consumer.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 0
+        eventually(lambda: consumer.offset_store.read_offset(
+            mq, ReadOffsetType.READ_FROM_MEMORY) == 4)
+        ledger = hook.dedup.ledger.window(0, None).keys.column("key").to_pylist()
+        assert sorted(ledger) == [f"ORDER-{i}" for i in range(4)]
+        assert hook.stats.commits == 1
+    finally:
+        consumer.shutdown()
