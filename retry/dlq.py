@@ -5,13 +5,17 @@ msg_id)``: a dead-letter write repeated after a crash (the batch is replayed,
 the same message dies again) finds its row and adds nothing. With
 ``app_id``/``txn_version`` the replayed commit is skipped before it starts.
 Rows are never deleted by idem: a replay marks them ``REPLAYED``, an operator
-``DISCARDED``.
+``DISCARDED``; ``replayed_at``/``replayed_by`` say when and by whom a row left
+``DEAD``. Tables written before ``replayed_by`` existed gain the column on
+their first status change (reads treat it as null until then).
 """
 
 from __future__ import annotations
 
 import builtins
 import datetime as dt
+import getpass
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 from deltalake import DeltaTable
+from deltalake.schema import Field, PrimitiveType
 from deltalake.transaction import CommitProperties, Transaction
 
 from idem.clock import SYSTEM_CLOCK, Clock
@@ -54,9 +59,16 @@ DLQ_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("replayed_at", _TS),
         ("dead_date", pa.date32()),
+        ("replayed_by", pa.string()),
     ]
 )
-"""The ``%DLQ%<group>`` schema of DESIGN §2 (``dead_date`` is the partition column)."""
+"""The ``%DLQ%<group>`` schema of DESIGN §2 (``dead_date`` is the partition column).
+
+``replayed_by`` comes last: it was added later, and a table created before it
+gains it at the end, so old and new tables have one column order."""
+
+_ADDED_COLUMNS = {"replayed_by": "string"}
+"""Columns (and Delta types) added to ``DLQ_SCHEMA`` after tables were first written."""
 
 DEAD_REASON_PROPERTY = "IDEM_DEAD_REASON"
 """Why the message was dead-lettered (max reconsume times, level -1, bad input...)."""
@@ -68,6 +80,15 @@ class DeadLetterStatus(StrEnum):
     DEAD = "DEAD"
     REPLAYED = "REPLAYED"
     DISCARDED = "DISCARDED"
+
+
+def current_user() -> str:
+    """``user@host`` of this process: who replayed or discarded a dead letter."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
 
 
 def _ts(ms: int | None) -> dt.datetime | None:
@@ -100,7 +121,10 @@ class DeadLetter:
     errors: tuple[FailureRecord, ...] = ()
     status: DeadLetterStatus = DeadLetterStatus.DEAD
     replayed_at_ms: int | None = None
+    """When the row left ``DEAD`` (replayed or discarded)."""
     reason: str = field(default="", compare=False)
+    replayed_by: str | None = None
+    """Who replayed or discarded the row (``user@host`` or the operator's ``--by``)."""
 
     @classmethod
     def of(cls, group: str, message: MessageExt, *, reason: str, dead_at_ms: int) -> DeadLetter:
@@ -161,6 +185,7 @@ class DeadLetter:
             "status": str(self.status),
             "replayed_at": _ts(self.replayed_at_ms),
             "dead_date": dead_at.date(),
+            "replayed_by": self.replayed_by,
         }
 
     @classmethod
@@ -186,6 +211,7 @@ class DeadLetter:
             status=DeadLetterStatus(row["status"]),
             replayed_at_ms=_ms(row["replayed_at"]),
             reason=props.get(DEAD_REASON_PROPERTY, ""),
+            replayed_by=row.get("replayed_by"),  # absent in tables made before the column
         )
 
 
@@ -248,6 +274,7 @@ class DeadLetterTable:
         def merge() -> int:
             table = self._table(create=True)
             assert table is not None
+            _add_missing_columns(table)
             if app_id is not None and txn_version is not None:
                 done = table.transaction_version(app_id)
                 if done is not None and done >= txn_version:
@@ -296,7 +323,7 @@ class DeadLetterTable:
 
     def _set_status(
         self, letters: Iterable[DeadLetter | tuple[str, str]], status: DeadLetterStatus,
-        at_ms: int | None,
+        at_ms: int | None, by: str | None,
     ) -> int:
         ids = {(x.origin_msg_id, x.msg_id) if isinstance(x, DeadLetter) else x for x in letters}
         table = self._table(create=False)
@@ -308,13 +335,13 @@ class DeadLetterTable:
                 "origin_msg_id": pa.array([i[0] for i in ids], pa.string()),
                 "msg_id": pa.array([i[1] for i in ids], pa.string()),
                 "status": pa.array([str(status)] * len(ids), pa.string()),
-                "replayed_at": pa.array(
-                    [when if status is DeadLetterStatus.REPLAYED else None] * len(ids), _TS
-                ),
+                "replayed_at": pa.array([when] * len(ids), _TS),
+                "replayed_by": pa.array([by or current_user()] * len(ids), pa.string()),
             }
         )
 
         def update() -> int:
+            _add_missing_columns(table)
             metrics = (
                 table.merge(
                     source,
@@ -326,7 +353,11 @@ class DeadLetterTable:
                     target_alias="t",
                 )
                 .when_matched_update(
-                    updates={"status": "s.status", "replayed_at": "s.replayed_at"}
+                    updates={
+                        "status": "s.status",
+                        "replayed_at": "s.replayed_at",
+                        "replayed_by": "s.replayed_by",
+                    }
                 )
                 .execute()
             )
@@ -335,14 +366,35 @@ class DeadLetterTable:
         return self.faults.delta(update, what=f"update {self.name}", wrap=DeadLetterError)
 
     def mark_replayed(
-        self, letters: Iterable[DeadLetter | tuple[str, str]], *, at_ms: int | None = None
+        self,
+        letters: Iterable[DeadLetter | tuple[str, str]],
+        *,
+        at_ms: int | None = None,
+        by: str | None = None,
     ) -> int:
-        """Mark ``DEAD`` rows ``REPLAYED`` (with ``replayed_at``); returns rows changed."""
-        return self._set_status(letters, DeadLetterStatus.REPLAYED, at_ms)
+        """Mark ``DEAD`` rows ``REPLAYED`` with when and by whom (default: this
+        ``user@host``); returns rows changed."""
+        return self._set_status(letters, DeadLetterStatus.REPLAYED, at_ms, by)
 
-    def mark_discarded(self, letters: Iterable[DeadLetter | tuple[str, str]]) -> int:
-        """Mark ``DEAD`` rows ``DISCARDED``; returns rows changed."""
-        return self._set_status(letters, DeadLetterStatus.DISCARDED, None)
+    def mark_discarded(
+        self,
+        letters: Iterable[DeadLetter | tuple[str, str]],
+        *,
+        at_ms: int | None = None,
+        by: str | None = None,
+    ) -> int:
+        """Mark ``DEAD`` rows ``DISCARDED`` with when and by whom; returns rows changed."""
+        return self._set_status(letters, DeadLetterStatus.DISCARDED, at_ms, by)
+
+
+def _add_missing_columns(table: DeltaTable) -> None:
+    """Give a table made by an older idem the columns added since (``replayed_by``)."""
+    known = {f.name for f in table.schema().fields}
+    missing = [name for name in _ADDED_COLUMNS if name not in known]
+    if missing:
+        table.alter.add_columns(
+            [Field(name, PrimitiveType(_ADDED_COLUMNS[name]), nullable=True) for name in missing]
+        )
 
 
 def _commit_properties(app_id: str | None, txn_version: int | None) -> CommitProperties | None:

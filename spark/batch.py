@@ -9,10 +9,13 @@ Spark: the batch arrives as an Arrow table.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
@@ -25,7 +28,9 @@ from idem.ledger.schema import datetime_of_ms
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
+from idem.retry.sendback import BUSY_DELAY_LEVEL
 from idem.retry.status import ConsumeConcurrentlyStatus
+from idem.spark.ids import derived_msg_ids, positional_msg_ids, spark_hex
 from idem.spark.messages import (
     MESSAGE_COLUMN,
     RECONSUME_TIMES_COLUMN,
@@ -33,7 +38,7 @@ from idem.spark.messages import (
     msg_id_prefix,
 )
 from idem.spark.rows import RowCodec
-from idem.spark.stats import BatchStats
+from idem.spark.stats import once_counters
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +57,23 @@ class BatchOutcome:
     query_id: str
     owner: str
     messages: int = 0
+    """Rows in the batch (main stream and retries)."""
     retried_rows: int = 0
+    """Rows that came back from the retry stream (``reconsume_times`` > 0)."""
     applied_keys: tuple[str, ...] = ()
     failed_keys: tuple[str, ...] = ()
     busy: int = 0
     invalid: int = 0
     mismatched: int = 0
     duplicates: Mapping[str, int] = field(default_factory=dict)
+    """Rows not handed to the sink, by cause (``in_batch``, ``completed``, ``slipped``)."""
     retried_by_level: Mapping[int, int] = field(default_factory=dict)
+    """Rows sent back, by the delay level they were scheduled on."""
     dead: int = 0
+    """Rows routed to ``%DLQ%<group>`` by this batch."""
     retaken: int = 0
+    """Claims this batch's owner held already: a replay; the sink may see these rows again
+    (counted in ``possible_repeats`` when claimed)."""
     commit_version: int | None = None
     commit_replayed: bool = False
     timings: Mapping[str, float] = field(default_factory=dict)
@@ -77,22 +89,21 @@ class BatchOutcome:
         """Rows the sink rejected."""
         return len(self.failed_keys)
 
-    def stats(self) -> BatchStats:
-        """The counters to record for the group."""
-        return BatchStats(
-            query_id=self.query_id,
-            batch_id=self.batch_id,
-            messages=self.messages,
-            retried_rows=self.retried_rows,
-            applied=self.applied,
-            failed=self.failed,
-            busy=self.busy,
-            invalid=self.invalid,
-            mismatched=self.mismatched,
-            duplicates=dict(self.duplicates),
-            retried_by_level=dict(self.retried_by_level),
-            dead=self.dead,
-            retaken=self.retaken,
+    def once_counters(self) -> dict[str, int]:
+        """The batch's counters for the group's totals (see :class:`StatsStore`)."""
+        return once_counters(
+            counts={
+                "messages": self.messages,
+                "retried_rows": self.retried_rows,
+                "applied": self.applied,
+                "failed": self.failed,
+                "busy": self.busy,
+                "invalid": self.invalid,
+                "mismatched": self.mismatched,
+                "dead": self.dead,
+            },
+            duplicates=self.duplicates,
+            retried_by_level=self.retried_by_level,
         )
 
 
@@ -114,6 +125,7 @@ class BatchRun:
         clock: Clock,
         fingerprint_column: str | None = None,
         msg_id_column: str | None = None,
+        key_hash_column: str | None = None,
     ) -> None:
         self.table = table
         self.batch_id = batch_id
@@ -128,13 +140,16 @@ class BatchRun:
         self.clock = clock
         self.size = table.num_rows
         self.keys = _key_values(table.column(key))
+        hashes = table.column(fingerprint_column) if fingerprint_column else None
         self.fingerprints: list[str] | None = (
-            [v or "" for v in table.column(fingerprint_column).to_pylist()]
-            if fingerprint_column
-            else None
+            None if hashes is None else spark_hex(hashes).to_pylist()
         )
         self.previous = _previous_messages(table)
-        self.msg_ids = self._msg_ids(msg_id_column)
+        self.msg_ids = self._msg_ids(
+            table.column(msg_id_column) if msg_id_column else None,
+            table.column(key_hash_column) if key_hash_column and hashes is not None else None,
+            hashes,
+        )
         self.claim_result: BatchClaim | None = None
         self.commit_result: CommitOutcome | None = None
         self._applied: list[int] = []
@@ -144,19 +159,27 @@ class BatchRun:
         self._dead = 0
         self._slipped: tuple[str, ...] = ()
 
-    def _msg_ids(self, column: str | None) -> list[str]:
-        """Each row's message id: retried rows keep theirs; main rows take ``column``'s value.
+    def _msg_ids(
+        self,
+        given: pa.ChunkedArray | None,
+        key_hashes: pa.ChunkedArray | None,
+        fingerprint_hashes: pa.ChunkedArray | None,
+    ) -> pa.Array:
+        """Each row's message id, as one Arrow column.
 
-        Without a value a row gets a stable id from its batch and position.
+        Retried rows keep the id of the message they arrived as; main rows take
+        the source's id (``given``), else one derived from the key and payload
+        hashes, else a stable id from the batch and the row's position.
         """
-        prefix = msg_id_prefix(self.owner)
-        given = self.table.column(column).to_pylist() if column else [None] * self.size
-        ids = [
-            str(value) if value else f"{prefix}{i:08X}" for i, value in enumerate(given)
-        ]
-        for i, prev in self.previous.items():
-            ids[i] = prev.msg_id
-        return ids
+        if key_hashes is not None and fingerprint_hashes is not None:
+            ids = derived_msg_ids(key_hashes, fingerprint_hashes)
+        else:
+            ids = positional_msg_ids(msg_id_prefix(self.owner), self.size)
+            if given is not None:
+                values = given.combine_chunks()
+                usable = pc.fill_null(pc.not_equal(values, ""), False)
+                ids = pc.if_else(usable, values, ids)
+        return _with_values(ids, {i: m.msg_id for i, m in self.previous.items()})
 
     # -- step 1-2 ------------------------------------------------------------------------------
 
@@ -168,15 +191,15 @@ class BatchRun:
         instead would resend under the id of the chain's next message, which is
         still live, and the chain would end when this batch acknowledges it.
         """
-        order = sorted(
-            range(self.size),
-            key=lambda i: (-(prev.reconsume_times if (prev := self.previous.get(i)) else -1), i),
-        )
+        order = None
+        if self.previous:
+            ahead = sorted(self.previous, key=lambda i: (-self.previous[i].reconsume_times, i))
+            order = [*ahead, *(i for i in range(self.size) if i not in self.previous)]
         self.claim_result = self.dedup.begin(
             self.keys,
             owner=self.owner,
             fingerprints=self.fingerprints,
-            order=order if self.previous else None,
+            order=order,
             field=self.key,
         )
         return self.claim_result
@@ -269,7 +292,7 @@ class BatchRun:
         if claim is None:
             raise RuntimeError("commit before claim")
         self._failed = dict(failed)
-        succeeded = [i for i in claim.fresh if i not in failed]
+        succeeded = [i for i in claim.fresh if i not in failed] if failed else list(claim.fresh)
         if succeeded:
             app_id = f"idem-spark:{self.dedup.config.group}:{self.query_id}"
             result = self.dedup.complete(
@@ -279,9 +302,12 @@ class BatchRun:
                 app_id=app_id,
                 meta=self._meta(),
                 payload=payload,
+                # The ledger commit is durable here; Redis learns of it in the background
+                # while Spark moves on (the next batch's claim waits for it).
+                defer_index=True,
             )
-            if result.replayed:
-                result = self._commit_missing(claim, succeeded, payload, result)
+            # A replayed batch id: Dedup.complete itself commits the rows the earlier
+            # commit lacked (accepted now, rejected the first time).
             self.commit_result = result
             self._slipped = result.slipped
             slipped = set(result.slipped)
@@ -289,55 +315,18 @@ class BatchRun:
         if failed:
             self.dedup.release(claim, list(failed))
 
-    def _commit_missing(
-        self,
-        claim: BatchClaim,
-        succeeded: Sequence[int],
-        payload: pa.Table | None,
-        result: CommitOutcome,
-    ) -> CommitOutcome:
-        """A replayed batch id found its commit done: make sure every accepted key is in it.
-
-        Spark replays a batch with the same id, but the sink may accept rows in the
-        replay that it rejected the first time; those are not in the earlier commit.
-        """
-        keys = [claim.keys[i] or "" for i in succeeded]
-        since = self.clock.now_ms() - self.dedup.config.dedup_window_ms
-        present = set(self.dedup.ledger.existing(keys, since_ms=since))
-        missing = [i for i, k in zip(succeeded, keys, strict=True) if k not in present]
-        if not missing:
-            return result
-        log.warning(
-            "batch %d was committed before (replay) without %d key(s) the sink accepted now; "
-            "committing them",
-            self.batch_id,
-            len(missing),
-        )
-        rows = None
-        if payload is not None:
-            position = {i: n for n, i in enumerate(succeeded)}
-            rows = payload.take(pa.array([position[i] for i in missing], pa.int64()))
-        return self.dedup.complete(
-            claim,
-            succeeded=missing,
-            batch_id=self.batch_id,
-            app_id=f"idem-spark:{self.dedup.config.group}:{self.owner}:{self.clock.now_ms()}",
-            meta=self._meta(),
-            payload=rows,
-        )
-
     def _meta(self) -> pa.Table:
         """Where each row came from, aligned with the batch (for the ledger rows)."""
-        origins = list(self.msg_ids)
-        topics = [self.topic] * self.size
-        for i, prev in self.previous.items():
-            origins[i] = prev.origin_msg_id
-            topics[i] = prev.retry_topic_origin
+        topics = pa.repeat(pa.scalar(self.topic, pa.string()), self.size)
         return pa.table(
             {
-                "msg_id": pa.array(self.msg_ids, pa.string()),
-                "origin_msg_id": pa.array(origins, pa.string()),
-                "topic": pa.array(topics, pa.string()),
+                "msg_id": self.msg_ids,
+                "origin_msg_id": _with_values(
+                    self.msg_ids, {i: m.origin_msg_id for i, m in self.previous.items()}
+                ),
+                "topic": _with_values(
+                    topics, {i: m.retry_topic_origin for i, m in self.previous.items()}
+                ),
             }
         )
 
@@ -357,19 +346,21 @@ class BatchRun:
                 dead[i] = "payload_mismatch: completed before with a different payload"
         if dead:
             groups[DEAD_LETTER_LEVEL] = dead
-        if claim.busy:
-            groups[1] = dict.fromkeys(claim.busy, "busy: another owner holds a live claim")
         for level, rows in groups.items():
             self._send(level, rows)
+        if claim.busy:
+            # Not a failure: back after a short delay, reconsume times unchanged, so a
+            # key that is merely busy is never dead-lettered (DESIGN §1 step 2).
+            self._send(BUSY_DELAY_LEVEL, dict.fromkeys(claim.busy, "busy"), busy=True)
 
-    def _send(self, level: int, rows: Mapping[int, str]) -> None:
+    def _send(self, level: int, rows: Mapping[int, str], *, busy: bool = False) -> None:
         indices = sorted(rows)
         bodies = self.codec.encode_table(self.table, indices)
         now = self.clock.now_ms()
         messages = [
             message_for_row(
                 topic=self.topic,
-                msg_id=self.msg_ids[i],
+                msg_id=self.msg_ids[i].as_py(),
                 index=i,
                 key=self.keys_normalised[i] or _raw_key(self.keys[i]),
                 body=body,
@@ -380,14 +371,20 @@ class BatchRun:
             )
             for i, body in zip(indices, bodies, strict=True)
         ]
-        errors = {m.msg_id: rows[i] for m, i in zip(messages, indices, strict=True)}
-        result = self.retry.send_back(
-            messages,
-            delay_level=level,
-            errors=errors,
-            app_id=f"idem-spark:{self.dedup.config.group}:{self.query_id}:level{level}",
-            txn_version=self.batch_id,
-        )
+        app_id = f"idem-spark:{self.dedup.config.group}:{self.query_id}:level{level}"
+        if busy:
+            result = self.retry.send_back_busy(
+                messages, delay_level=level, app_id=f"{app_id}:busy", txn_version=self.batch_id
+            )
+        else:
+            errors = {m.msg_id: rows[i] for m, i in zip(messages, indices, strict=True)}
+            result = self.retry.send_back(
+                messages,
+                delay_level=level,
+                errors=errors,
+                app_id=app_id,
+                txn_version=self.batch_id,
+            )
         for outcome in (*result.scheduled, *result.fallback):
             self._levels[outcome.delay_level] += 1
         self._dead += len(result.dead)
@@ -428,9 +425,7 @@ class BatchRun:
             owner=self.owner,
             messages=self.size,
             retried_rows=retried_rows,
-            applied_keys=tuple(
-                claim.keys[i] or "" for i in (*self._applied_before, *self._applied)
-            ),
+            applied_keys=_keys_at(claim.keys, (*self._applied_before, *self._applied)),
             failed_keys=tuple(claim.keys[i] or "" for i in sorted(self._failed)),
             busy=len(claim.busy),
             invalid=len(claim.invalid),
@@ -458,6 +453,16 @@ def committed_by(ledger_path: str, owner: str, *, since_ms: int) -> set[str]:
     return {str(k) for k in table.column("key").to_pylist()}
 
 
+def _keys_at(keys: Sequence[str | None], indices: Sequence[int]) -> tuple[str, ...]:
+    """The keys at ``indices`` (claimed keys are never ``None``)."""
+    if not indices:
+        return ()
+    if len(indices) == 1:
+        return (keys[indices[0]] or "",)
+    picked: tuple[str | None, ...] = operator.itemgetter(*indices)(keys)
+    return tuple(k or "" for k in picked) if None in picked else cast("tuple[str, ...]", picked)
+
+
 def _raw_key(value: object) -> str | None:
     """A bad key as text for the DLQ row (``None`` when it is not text at all)."""
     if isinstance(value, str):
@@ -479,8 +484,21 @@ def _previous_messages(table: pa.Table) -> dict[int, MessageExt]:
     """The retry messages rows arrived as (rows of the retry stream), by row index."""
     if MESSAGE_COLUMN not in table.column_names:
         return {}
-    out: dict[int, MessageExt] = {}
-    for i, wire in enumerate(table.column(MESSAGE_COLUMN).to_pylist()):
-        if wire:
-            out[i] = MessageExt.from_wire(wire)
-    return out
+    column = table.column(MESSAGE_COLUMN)
+    if column.null_count == len(column):
+        return {}
+    present = pc.indices_nonzero(pc.fill_null(pc.not_equal(column, ""), False)).to_pylist()
+    wires = column.take(pa.array(present, pa.int64())).to_pylist()
+    return {i: MessageExt.from_wire(wire) for i, wire in zip(present, wires, strict=True)}
+
+
+def _with_values(array: pa.Array, values: Mapping[int, str]) -> pa.Array:
+    """``array`` with the string ``values`` put at their row indices."""
+    if not values:
+        return array
+    mask = np.zeros(len(array), dtype=bool)
+    positions = sorted(values)
+    mask[positions] = True
+    return pc.replace_with_mask(
+        array, pa.array(mask), pa.array([values[i] for i in positions], pa.string())
+    )

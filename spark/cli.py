@@ -193,7 +193,7 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     if selection.empty:
         return _fail(EXIT_USAGE, "dlq replay: name --key K, --msg-id ID or --all")
     engine = _engine(args)
-    result = replay(engine, selection, progress=progress_bar())
+    result = replay(engine, selection, by=args.by, progress=progress_bar())
     print(
         f"replayed {result.sent} dead letter(s) of %DLQ%{engine.group} through the retry path "
         f"(dedup applies: a key completed meanwhile is not applied again); "
@@ -214,7 +214,7 @@ def _dlq_discard(args: argparse.Namespace) -> int:
     if selection.empty:
         return _fail(EXIT_USAGE, "dlq discard: name --key K, --msg-id ID or --all")
     engine = _engine(args)
-    changed = discard(engine, selection)
+    changed = discard(engine, selection, by=args.by)
     print(f"marked {changed} dead letter(s) of %DLQ%{engine.group} DISCARDED")
     return EXIT_OK
 
@@ -330,6 +330,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         sub.add_argument("--key", action="append", help="business key (repeatable)")
         sub.add_argument("--msg-id", action="append", help="msg id or origin msg id (repeatable)")
         sub.add_argument("--all", action="store_true", help="every DEAD row of the group")
+        sub.add_argument(
+            "--by",
+            help="who does it, recorded in the table's replayed_by (default: user@host)",
+        )
         if name == "replay":
             sub.add_argument(
                 "--include-replayed",

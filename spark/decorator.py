@@ -69,6 +69,10 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"
 """Spark's local property carrying the streaming query id (stable across restarts)."""
 
 FINGERPRINT_COLUMN = "_idem_fingerprint"
+"""Column the decorator adds for the toArrow: the payload's 64-bit hash."""
+
+KEY_HASH_COLUMN = "_idem_key_hash"
+"""Column the decorator adds for the toArrow: the key's 64-bit hash (derived message ids)."""
 
 
 class ExactlyOnce:
@@ -160,27 +164,28 @@ class ExactlyOnce:
         if attempt > 1:
             log.info("batch %d: attempt %d (Spark replays it after a failure)", batch_id, attempt)
         crash_point(CrashPoint.BEFORE_CLAIM, batch_id, self.crash_plan)
-        columns = batch_df.columns
+        schema = batch_df.schema  # one round trip to the JVM for names and types
+        columns = schema.fieldNames()
         if self.key not in columns:
             raise ConfigError(
                 f"key: the batch has no column {self.key!r} (columns: {', '.join(columns)})"
             )
-        payload_columns = [c for c in columns if c not in RETRY_COLUMNS]
-        codec = RowCodec(batch_df.select(*[f"`{c}`" for c in payload_columns]).schema)
         if self.msg_id is not None and self.msg_id not in columns:
             raise ConfigError(f"msg_id: the batch has no column {self.msg_id!r}")
+        payload = st.StructType([f for f in schema.fields if f.name not in RETRY_COLUMNS])
+        payload_columns = payload.fieldNames()
+        codec = RowCodec(payload)
+        # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow (ids.py).
+        extra: list[Column] = []
         if self.fingerprint:
-            batch_df = batch_df.withColumn(
-                FINGERPRINT_COLUMN, fingerprint_column(batch_df, payload_columns)
-            )
+            extra.append(fingerprint_hash(payload).alias(FINGERPRINT_COLUMN))
         if self.msg_id is not None:
-            batch_df = batch_df.withColumn(MSG_ID_COLUMN, F.col(f"`{self.msg_id}`").cast("string"))
+            extra.append(F.col(f"`{self.msg_id}`").cast("string").alias(MSG_ID_COLUMN))
         elif self.fingerprint:
             # A redelivered copy of a row (same key, same payload) is the same message.
-            identity = F.concat_ws("\u0000", F.col(f"`{self.key}`").cast("string"),
-                                   F.col(FINGERPRINT_COLUMN))
-            batch_df = batch_df.withColumn(MSG_ID_COLUMN, F.upper(F.md5(identity)))
-        table = batch_df.toArrow()
+            key_text = F.col(f"`{self.key}`").cast("string")
+            extra.append(F.xxhash64(key_text).alias(KEY_HASH_COLUMN))
+        table = (batch_df.select("*", *extra) if extra else batch_df).toArrow()
         clock.lap("arrow")
         run = BatchRun(
             table=table,
@@ -194,7 +199,8 @@ class ExactlyOnce:
             retry=self.retry,
             clock=self.clock,
             fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
-            msg_id_column=MSG_ID_COLUMN if MSG_ID_COLUMN in table.column_names else None,
+            msg_id_column=MSG_ID_COLUMN if self.msg_id is not None else None,
+            key_hash_column=KEY_HASH_COLUMN if KEY_HASH_COLUMN in table.column_names else None,
         )
         outcome = self._run(run, batch_df, clock, replay=attempt > 1)
         self.last_outcome = outcome
@@ -232,7 +238,7 @@ class ExactlyOnce:
         run.ack_retried()
         clock.lap("send_back")
         outcome = run.outcome(clock.laps)
-        self.stats.record(outcome.stats())
+        self.stats.record(outcome)
         crash_point(CrashPoint.AFTER_BATCH, run.batch_id, self.crash_plan)
         _log_outcome(outcome)
         return outcome
@@ -300,18 +306,19 @@ class _StepClock:
         self._last = now
 
 
-def fingerprint_column(df: DataFrame, columns: Iterable[str]) -> Column:
-    """A payload fingerprint per row, computed by Spark: xxhash64 of the values and null flags.
+def fingerprint_hash(schema: st.StructType) -> Column:
+    """A payload hash per row, computed by Spark: xxhash64 of the values and null flags.
 
     Spark's hash skips nulls, so the null flags keep ``(null, 1)`` and ``(1, null)``
-    apart; map columns (which Spark cannot hash) are hashed as their JSON.
+    apart; map columns (which Spark cannot hash) are hashed as their JSON. The
+    fingerprint is its text form (:func:`idem.spark.ids.spark_hex`).
     """
-    kinds = {f.name: f.dataType for f in df.schema.fields}
     values = [
-        F.to_json(F.col(f"`{c}`")) if _has_map(kinds[c]) else F.col(f"`{c}`") for c in columns
+        F.to_json(F.col(f"`{f.name}`")) if _has_map(f.dataType) else F.col(f"`{f.name}`")
+        for f in schema.fields
     ]
-    flags = [F.col(f"`{c}`").isNull() for c in columns]
-    return F.hex(F.xxhash64(*values, *flags))
+    flags = [F.col(f"`{f.name}`").isNull() for f in schema.fields]
+    return F.xxhash64(*values, *flags)
 
 
 def _has_map(kind: st.DataType) -> bool:

@@ -4,22 +4,22 @@ A replay sends the dead message back through the group's retry path (a new
 delivery at delay level 1, ``reconsume_times`` reset, ``ORIGIN_MESSAGE_ID``
 kept), so it reaches the sink through the dedup layer like any delivery: a
 message whose key was completed meanwhile is suppressed, never applied twice.
-The DLQ row is then marked ``REPLAYED`` with the time; who replayed it travels
-in the message (``IDEM_REPLAYED_BY``).
+The DLQ row is then marked ``REPLAYED`` with when and by whom (``replayed_at``,
+``replayed_by``: ``user@host`` unless ``--by`` names someone); the message
+carries the same in ``IDEM_REPLAYED_BY``/``IDEM_REPLAYED_AT``. A discard
+records who and when the same way.
 """
 
 from __future__ import annotations
 
-import getpass
 import json
-import socket
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from idem.ledger.schema import datetime_of_ms
-from idem.retry.dlq import DeadLetter, DeadLetterStatus
+from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.spark.messages import SCHEMA_PROPERTY
@@ -79,11 +79,7 @@ class ReplayResult:
 
 def who() -> str:
     """``user@host`` of this process."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
+    return current_user()
 
 
 def select(engine: RetryEngine, selection: Selection) -> tuple[list[DeadLetter], int]:
@@ -140,7 +136,7 @@ def replay(
             raise RuntimeError(
                 f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
             )
-        marked += engine.dlq.mark_replayed(chunk, at_ms=now)
+        marked += engine.dlq.mark_replayed(chunk, at_ms=now, by=by)
         StatsStore(
             engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms
         ).add("dlq_replayed", len(chunk))
@@ -151,10 +147,11 @@ def replay(
     )
 
 
-def discard(engine: RetryEngine, selection: Selection) -> int:
-    """Mark the selected dead letters ``DISCARDED``; returns how many changed."""
+def discard(engine: RetryEngine, selection: Selection, *, by: str | None = None) -> int:
+    """Mark the selected dead letters ``DISCARDED`` (by ``by``, default ``user@host``);
+    returns how many changed."""
     letters, _ = select(engine, selection)
-    return engine.dlq.mark_discarded(letters)
+    return engine.dlq.mark_discarded(letters, by=by or who())
 
 
 def decoded_body(letter: DeadLetter) -> dict[str, Any] | None:
@@ -200,6 +197,7 @@ def describe(letter: DeadLetter) -> dict[str, Any]:
         "first_failed_at_ms": letter.first_failed_at_ms,
         "dead_at_ms": letter.dead_at_ms,
         "replayed_at_ms": letter.replayed_at_ms,
+        "replayed_by": letter.replayed_by,
         "last_error": letter.last_error,
         "errors": [{"at_ms": e.at_ms, "type": e.type, "message": e.message} for e in letter.errors],
         "row": body if body is not None else None,

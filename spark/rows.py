@@ -58,8 +58,9 @@ class RowCodec:
             raise SerializationError(f"schema: expected a StructType, got {type(schema).__name__}")
         self.schema = schema
         self.names: tuple[str, ...] = tuple(schema.fieldNames())
-        self._encoders = [_encoder(f.dataType, f.name) for f in schema.fields]
-        self._decoders = [_decoder(f.dataType, f.name) for f in schema.fields]
+        codecs = [_codec(f.dataType, f.name) for f in schema.fields]
+        self._encoders = [encode for encode, _ in codecs]
+        self._decoders = [decode for _, decode in codecs]
         self.schema_json = schema.json()
 
     @classmethod
@@ -116,69 +117,34 @@ def _unsupported(kind: st.DataType, name: str) -> SerializationError:
     )
 
 
-def _encoder(kind: st.DataType, name: str) -> Encoder:  # noqa: PLR0911 - one branch per type
-    if isinstance(kind, st.StringType | st.BooleanType | st.IntegralType | st.NullType):
-        return _identity
-    if isinstance(kind, st.FloatType | st.DoubleType):
-        return _encode_float
-    if isinstance(kind, st.DecimalType):
-        return _encode_decimal
-    if isinstance(kind, st.TimestampNTZType):
-        return _encode_timestamp_ntz
-    if isinstance(kind, st.TimestampType):
-        return _encode_timestamp
-    if isinstance(kind, st.DateType):
-        return _encode_date
-    if isinstance(kind, st.BinaryType):
-        return _encode_binary
+def _codec(kind: st.DataType, name: str) -> tuple[Encoder, Decoder]:
+    """The encoder and decoder of a column of type ``kind``, built together."""
+    for scalar, encode, decode in _SCALARS:
+        if isinstance(kind, scalar):
+            return encode, decode
     if isinstance(kind, st.ArrayType):
-        item = _encoder(kind.elementType, f"{name}[]")
-        return lambda v, n: [None if x is None else item(x, n) for x in v]
+        item_enc, item_dec = _codec(kind.elementType, f"{name}[]")
+        return (
+            lambda v, n: [None if x is None else item_enc(x, n) for x in v],
+            lambda v, n: [None if x is None else item_dec(x, n) for x in _as_list(v, n)],
+        )
     if isinstance(kind, st.MapType):
-        k_enc = _encoder(kind.keyType, f"{name}.key")
-        v_enc = _encoder(kind.valueType, f"{name}.value")
-        return lambda v, n: [
-            [k_enc(k, n), None if x is None else v_enc(x, n)] for k, x in _map_items(v)
-        ]
+        k_enc, k_dec = _codec(kind.keyType, f"{name}.key")
+        v_enc, v_dec = _codec(kind.valueType, f"{name}.value")
+        return (
+            lambda v, n: [
+                [k_enc(k, n), None if x is None else v_enc(x, n)] for k, x in _map_items(v)
+            ],
+            lambda v, n: {
+                k_dec(k, n): None if x is None else v_dec(x, n) for k, x in _as_pairs(v, n)
+            },
+        )
     if isinstance(kind, st.StructType):
         nested = RowCodec(kind)
-        return lambda v, n: json.loads(nested.encode(v if isinstance(v, Mapping) else v.asDict()))
-    raise _unsupported(kind, name)
-
-
-def _decoder(kind: st.DataType, name: str) -> Decoder:  # noqa: PLR0911, PLR0912 - one branch per type
-    if isinstance(kind, st.StringType):
-        return _decode_str
-    if isinstance(kind, st.BooleanType):
-        return _decode_bool
-    if isinstance(kind, st.IntegralType):
-        return _decode_int
-    if isinstance(kind, st.NullType):
-        return lambda v, n: None
-    if isinstance(kind, st.FloatType | st.DoubleType):
-        return _decode_float
-    if isinstance(kind, st.DecimalType):
-        return _decode_decimal
-    if isinstance(kind, st.TimestampNTZType):
-        return lambda v, n: _parse_iso(v, n).replace(tzinfo=None)
-    if isinstance(kind, st.TimestampType):
-        return _decode_timestamp
-    if isinstance(kind, st.DateType):
-        return _decode_date
-    if isinstance(kind, st.BinaryType):
-        return _decode_binary
-    if isinstance(kind, st.ArrayType):
-        item = _decoder(kind.elementType, f"{name}[]")
-        return lambda v, n: [None if x is None else item(x, n) for x in _as_list(v, n)]
-    if isinstance(kind, st.MapType):
-        k_dec = _decoder(kind.keyType, f"{name}.key")
-        v_dec = _decoder(kind.valueType, f"{name}.value")
-        return lambda v, n: {
-            k_dec(k, n): None if x is None else v_dec(x, n) for k, x in _as_pairs(v, n)
-        }
-    if isinstance(kind, st.StructType):
-        nested = RowCodec(kind)
-        return lambda v, n: st.Row(**nested.decode_dict(json.dumps(v)))
+        return (
+            lambda v, n: json.loads(nested.encode(v if isinstance(v, Mapping) else v.asDict())),
+            lambda v, n: st.Row(**nested.decode_dict(json.dumps(v))),
+        )
     raise _unsupported(kind, name)
 
 
@@ -301,3 +267,27 @@ def _as_pairs(value: Any, name: str) -> Iterable[tuple[Any, Any]]:
     if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
         raise SerializationError(f"column {name!r}: expected [[key, value], ...], got {value!r}")
     return [(p[0], p[1]) for p in pairs]
+
+
+def _decode_null(value: Any, name: str) -> None:
+    return None
+
+
+def _decode_timestamp_ntz(value: Any, name: str) -> dt.datetime:
+    return _parse_iso(value, name).replace(tzinfo=None)
+
+
+_SCALARS: tuple[tuple[type[st.DataType], Encoder, Decoder], ...] = (
+    (st.StringType, _identity, _decode_str),
+    (st.BooleanType, _identity, _decode_bool),
+    (st.IntegralType, _identity, _decode_int),
+    (st.NullType, _identity, _decode_null),
+    (st.FloatType, _encode_float, _decode_float),
+    (st.DoubleType, _encode_float, _decode_float),
+    (st.DecimalType, _encode_decimal, _decode_decimal),
+    (st.TimestampNTZType, _encode_timestamp_ntz, _decode_timestamp_ntz),  # before TimestampType
+    (st.TimestampType, _encode_timestamp, _decode_timestamp),
+    (st.DateType, _encode_date, _decode_date),
+    (st.BinaryType, _encode_binary, _decode_binary),
+)
+"""Each scalar Spark type with its JSON encoder and decoder, checked in this order."""

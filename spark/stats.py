@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Protocol
 
 import redis
 
@@ -24,53 +25,35 @@ _DUPLICATE = "duplicates."
 _LEVEL = "retried.level."
 
 
-@dataclass(frozen=True, slots=True)
-class BatchStats:
-    """What one micro-batch did with its rows."""
+class RecordedBatch(Protocol):
+    """What :meth:`StatsStore.record` needs of a batch (``BatchOutcome`` is one)."""
 
-    query_id: str
-    batch_id: int
-    messages: int = 0
-    """Rows in the batch (main stream and retries)."""
-    retried_rows: int = 0
-    """Rows that came back from the retry stream (``reconsume_times`` > 0)."""
-    applied: int = 0
-    """Rows the sink accepted and that were committed."""
-    failed: int = 0
-    """Rows the sink rejected (sent back, or dead-lettered when out of retries)."""
-    busy: int = 0
-    invalid: int = 0
-    mismatched: int = 0
-    duplicates: Mapping[str, int] = field(default_factory=dict)
-    """Rows not handed to the sink, by cause (``in_batch``, ``completed``, ``slipped``)."""
-    retried_by_level: Mapping[int, int] = field(default_factory=dict)
-    """Rows sent back, by the delay level they were scheduled on."""
-    dead: int = 0
-    """Rows routed to ``%DLQ%<group>`` by this batch."""
-    retaken: int = 0
-    """Claims this batch's owner held already: a replay; the sink may see these rows again
-    (added to ``possible_repeats`` when claimed, not here)."""
+    @property
+    def query_id(self) -> str:
+        """The streaming query's id."""
+        ...
+
+    @property
+    def batch_id(self) -> int:
+        """Spark's micro-batch id."""
+        ...
 
     def once_counters(self) -> dict[str, int]:
         """Counters that belong to the batch (added once however often it is replayed)."""
-        out = {
-            "batches": 1,
-            "messages": self.messages,
-            "retried_rows": self.retried_rows,
-            "applied": self.applied,
-            "failed": self.failed,
-            "busy": self.busy,
-            "invalid": self.invalid,
-            "mismatched": self.mismatched,
-            "dead": self.dead,
-        }
-        out.update({f"{_DUPLICATE}{cause}": n for cause, n in self.duplicates.items()})
-        out.update({f"{_LEVEL}{level}": n for level, n in self.retried_by_level.items()})
-        return {name: n for name, n in out.items() if n}
+        ...
 
-    def attempt_counters(self) -> dict[str, int]:
-        """Counters a replay adds again; none: repeats are counted before the sink runs."""
-        return {}
+
+def once_counters(
+    *,
+    counts: Mapping[str, int],
+    duplicates: Mapping[str, int],
+    retried_by_level: Mapping[int, int],
+) -> dict[str, int]:
+    """The counter fields of a batch, named as in the totals hash (zeros left out)."""
+    out = {"batches": 1, **counts}
+    out.update({f"{_DUPLICATE}{cause}": n for cause, n in duplicates.items()})
+    out.update({f"{_LEVEL}{level}": n for level, n in retried_by_level.items()})
+    return {name: n for name, n in out.items() if n}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,15 +141,19 @@ class StatsStore:
             raise StoreUnavailable(f"counting the batch attempt failed: {exc}") from exc
         return int(n)
 
-    def record(self, stats: BatchStats) -> bool:
-        """Add a batch's counters; returns False when the batch had been recorded (a replay)."""
-        once = stats.once_counters()
+    def record(self, batch: RecordedBatch) -> bool:
+        """Add a batch's counters; returns False when the batch had been recorded (a replay).
+
+        Nothing is counted on every attempt: what a replay can repeat is counted
+        (``possible_repeats``) when its claims are re-taken, before the sink runs.
+        """
+        once = batch.once_counters()
         argv: list[str | int] = [self.marker_ttl_ms, len(once)]
-        for name, n in (*once.items(), *stats.attempt_counters().items()):
+        for name, n in once.items():
             argv += [name, n]
         try:
             first = self._record(
-                keys=[self.marker_key(stats.query_id, stats.batch_id), self.totals_key],
+                keys=[self.marker_key(batch.query_id, batch.batch_id), self.totals_key],
                 args=argv,
             )
         except redis.RedisError as exc:

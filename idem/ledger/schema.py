@@ -183,6 +183,8 @@ def first_per_key(rows: pa.Table) -> tuple[pa.Table, list[str]]:
     """The first row of each ``(bucket, key)``, and the keys that repeated."""
     if rows.num_rows < 2:
         return rows, []
+    if len(pc.unique(rows.column("key"))) == rows.num_rows:
+        return rows, []  # the usual case, ~4x cheaper than the grouping below
     keyed = rows.select(["bucket", "key"]).append_column(
         "__row", pa.array(range(rows.num_rows), pa.int64())
     )

@@ -604,12 +604,6 @@ def test_spark_submit_script_runs_idem_run_in_the_driver() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="idem.spark.session.local_session() sets master local[2], driver host 127.0.0.1 and "
-    "2 shuffle partitions over spark-submit's --master/--conf (reported to the lead)",
-)
 def test_spark_submit_settings_reach_the_session_idem_builds(tmp_path: Path) -> None:
     if shutil.which("spark-submit") is None or shutil.which("java") is None:
         pytest.skip("spark-submit (pyspark) and java are needed")

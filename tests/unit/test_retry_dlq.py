@@ -72,7 +72,7 @@ def test_rows_carry_the_design_schema(tmp_path: Path, clock: ManualClock) -> Non
     names = DeltaTable(str(tmp_path / "dlq")).schema().to_arrow().names
     assert names == ["group", "topic", "key", "msg_id", "origin_msg_id", "body", "properties",
                      "reconsume_times", "first_failed_at", "dead_at", "last_error", "errors",
-                     "status", "replayed_at", "dead_date"]
+                     "status", "replayed_at", "dead_date", "replayed_by"]
 
 
 def test_replay_and_discard_change_status_once(tmp_path: Path, clock: ManualClock) -> None:

@@ -14,15 +14,18 @@ from typing import Any
 import pytest
 import redis
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
 
 from idem.config import MismatchPolicy
+from idem.dedup import Dedup
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
-from idem.spark.decorator import ExactlyOnce, exactly_once
+from idem.spark.decorator import ExactlyOnce, exactly_once, fingerprint_hash
 from idem.spark.delta_sink import delta_sink
 from idem.spark.faults import CrashPlan, CrashPoint, SimulatedCrash
+from idem.spark.ids import spark_hex
 from idem.spark.retry_source import retry_stream
 from idem.spark.rows import RowCodec
 
@@ -227,6 +230,44 @@ def test_a_fresh_copy_and_its_retry_in_one_batch_keep_the_retry_chain_going(
     assert outcome.retried_by_level == {3: 1}
 
 
+def test_a_busy_key_comes_back_without_counting_toward_the_dead_letter_limit(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "busy", max_reconsume_times=1)
+    other = Dedup(config, client=real_redis)
+    held = other.begin(["K"], owner="other-query:0")  # another query holds K (live lease)
+    recorder = Recorder()
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    sink.query_id = "q"
+    engine = RetryEngine(config, client=real_redis)
+    codec = RowCodec(SCHEMA)
+    retry_schema = st.StructType(
+        [*SCHEMA.fields, st.StructField("reconsume_times", st.IntegerType()),
+         st.StructField("_idem_message", st.StringType())]
+    )  # fmt: skip
+
+    def redeliver() -> DataFrame:
+        due = engine.next_due_ms()
+        assert due is not None
+        engine.clock.sleep(max(0, due - engine.clock.now_ms()) / 1000 + 0.05)
+        engine.tick()
+        [back] = engine.poll_retry("test", 10)
+        assert back.reconsume_times == 0  # busy is not a failure: nothing counted
+        row = (*codec.decode(back.body), back.reconsume_times, back.to_wire())
+        return spark.createDataFrame([row], retry_schema)
+
+    outcome = sink.process(_df(spark, "K"), 0)
+    assert outcome.busy == 1
+    for batch_id in (1, 2, 3):  # busy three times, more than max_reconsume_times
+        assert sink.process(redeliver(), batch_id).busy == 1
+    assert dead_letters(config) == []
+    other.release(held)  # the other query failed K and gave it back
+    done = sink.process(redeliver(), 4)
+    assert done.applied == 1
+    assert [r["order_id"] for r in recorder.rows] == ["K"]
+    assert engine.pending() == 0
+
+
 def test_a_replay_that_accepts_a_row_the_first_attempt_rejected_still_writes_it(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -248,3 +289,46 @@ def test_a_replay_that_accepts_a_row_the_first_attempt_rejected_still_writes_it(
         sink.process(_df(spark, "A", "B"), 0)
     sink.process(_df(spark, "A", "B"), 0)
     assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1}
+
+
+def test_fingerprints_keep_sparks_hex_form_and_copies_share_a_message_id(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Spark ships the 64-bit hashes and Arrow makes their text: the fingerprints must stay
+    what ``hex(xxhash64(...))`` stored before (keys completed then still compare equal),
+    and a redelivered copy of a row must get the same message id as the original."""
+    hashes = spark.range(2000).select(
+        F.xxhash64("id").alias("h"), F.hex(F.xxhash64("id")).alias("spark_hex")
+    )
+    edges = spark.createDataFrame(
+        [(v, format(v & (2**64 - 1), "X")) for v in (0, 1, 15, 16, -1, -(2**63), 2**63 - 1)],
+        "h long, spark_hex string",
+    )
+    table = hashes.unionByName(edges).toArrow()
+    assert spark_hex(table.column("h")).to_pylist() == table.column("spark_hex").to_pylist()
+
+    config = config_for(tmp_path, redis_server.url, "ids")
+    sink = delta_sink(str(tmp_path / "orders"), key="order_id", config=config, client=real_redis)
+    sink.query_id = "q"
+    sink.process(_df(spark, "A", "B"), 0)
+    rows = {r["key"]: r for r in sink_rows(tmp_path / "orders")}
+    expected = _df(spark, "A", "B").select(
+        "order_id", F.hex(fingerprint_hash(SCHEMA)).alias("fp")
+    ).toArrow().to_pylist()
+    assert {r["order_id"]: r["fp"] for r in expected} == {
+        k: r["fingerprint"] for k, r in rows.items()
+    }
+    assert all(len(r["msg_id"]) == 32 for r in rows.values())
+
+    # A copy of A in another group fails and is sent back: same key and payload, same id.
+    other = config.with_changes(group="ids-2")
+    copy = exactly_once(key="order_id", config=other, client=real_redis)(Recorder(fail={"A"}))
+    copy.query_id = "q2"
+    copy.process(_df(spark, "A"), 0)
+    engine = RetryEngine(other, client=real_redis)
+    due = engine.next_due_ms()
+    assert due is not None
+    engine.clock.sleep(max(0, due - engine.clock.now_ms()) / 1000 + 0.05)
+    engine.tick()
+    [message] = engine.poll_retry("test", 10)
+    assert message.origin_msg_id == rows["A"]["msg_id"]  # a resend keeps ORIGIN_MESSAGE_ID

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import redis
+from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
 from spark_helpers import config_for, dead_letters, order, sink_key_counts, write_files
 
 from idem.cli import main
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
-from idem.retry.dlq import DeadLetterStatus
+from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
 from idem.spark.run import Pipeline, RunReport, RunSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -88,13 +91,18 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
     assert '"amount"' in shown
 
     sink.fixed = True  # the bug in the sink is fixed; replay the dead letter
-    assert _cli(config, "replay", "--key", POISON) == 0
+    before_ms = int(time.time() * 1000)
+    assert _cli(config, "replay", "--key", POISON, "--by", "alice@ops") == 0
     assert "replayed 1 dead letter" in capsys.readouterr().out
     report = run()
     assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_2": 1, "ORDERID_3": 1}
     [letter] = dead_letters(config)
     assert letter.status is DeadLetterStatus.REPLAYED
     assert letter.replayed_at_ms is not None
+    assert letter.replayed_at_ms >= before_ms
+    assert letter.replayed_by == "alice@ops"
+    assert _cli(config, "show", "--key", POISON) == 0
+    assert '"replayed_by": "alice@ops"' in capsys.readouterr().out
     assert report.dead_letters == 0
     seen_before = sink.seen[POISON]
 
@@ -108,3 +116,48 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
     assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_2": 1, "ORDERID_3": 1}
     assert report.totals.duplicates.get("completed", 0) >= 1
     assert report.pending_retries == 0
+
+
+def _letter(i: int) -> DeadLetter:
+    return DeadLetter(
+        group="old", topic="orders", key=f"ORDERID_{i}", msg_id=f"M{i}", origin_msg_id=f"O{i}",
+        body=b"{}", properties={}, reconsume_times=16, first_failed_at_ms=1_700_000_000_000,
+        dead_at_ms=1_700_000_060_000, last_error="ValueError: bad",
+    )
+
+
+def _table_written_before_replayed_by(path: str, n: int) -> DeadLetterTable:
+    old_schema = pa.schema([f for f in DLQ_SCHEMA if f.name != "replayed_by"])
+    rows = [_letter(i).to_row() for i in range(n)]
+    for row in rows:
+        del row["replayed_by"]
+    write_deltalake(path, pa.Table.from_pylist(rows, schema=old_schema), partition_by=["dead_date"])
+    return DeadLetterTable(path, "old")
+
+
+def test_a_dlq_table_from_before_replayed_by_stays_readable_and_records_who(
+    tmp_path: Path,
+) -> None:
+    """A table written by an older idem has no ``replayed_by``: it reads as before, and
+    the first status change adds the column and records who did it, and when."""
+    path = str(tmp_path / "dlq")
+    table = _table_written_before_replayed_by(path, 3)
+    assert [d.replayed_by for d in table.list()] == [None, None, None]
+
+    assert table.mark_replayed([("O0", "M0")], by="alice@ops") == 1
+    assert table.mark_discarded([("O1", "M1")], by="bob@ops", at_ms=1_700_000_120_000) == 1
+
+    by_id = {d.msg_id: d for d in table.list()}
+    assert (by_id["M0"].status, by_id["M0"].replayed_by) == (DeadLetterStatus.REPLAYED, "alice@ops")
+    assert by_id["M0"].replayed_at_ms is not None
+    assert (by_id["M1"].status, by_id["M1"].replayed_by, by_id["M1"].replayed_at_ms) == (
+        DeadLetterStatus.DISCARDED, "bob@ops", 1_700_000_120_000)
+    assert (by_id["M2"].status, by_id["M2"].replayed_by) == (DeadLetterStatus.DEAD, None)
+    assert DeltaTable(path).schema().to_arrow().names[-1] == "replayed_by"
+
+
+def test_new_dead_letters_go_into_a_dlq_table_from_before_replayed_by(tmp_path: Path) -> None:
+    path = str(tmp_path / "dlq")
+    table = _table_written_before_replayed_by(path, 1)
+    assert table.write([_letter(0), _letter(1)]) == 1  # M0 was there already
+    assert sorted(d.msg_id for d in table.list(status=DeadLetterStatus.DEAD)) == ["M0", "M1"]
