@@ -6,7 +6,7 @@ resend path in :mod:`idem.retry`, PySpark glue in :mod:`idem.spark`.
 
 from idem.clock import Clock, ManualClock, SystemClock
 from idem.config import DedupMode, IdemConfig, MismatchPolicy
-from idem.dedup import Dedup, IndexStats
+from idem.dedup import Dedup
 from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
 from idem.errors import (
     ConfigError,
@@ -21,6 +21,7 @@ from idem.errors import (
     UnsafeRedisConfig,
 )
 from idem.idempotent import idempotent
+from idem.indexer import IndexStats
 from idem.outcome import BatchClaim, BatchCounts, CommitOutcome, DuplicateCause, Invalid
 
 __all__ = [

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import DedupMode, IdemConfig, MismatchPolicy
-from idem.errors import InvalidKey
-from idem.hotstore import ClaimResult, HotStore, RedisHotStore
+from idem.errors import InvalidKey, StoreUnavailable
+from idem.hotstore import ClaimResult, CompleteResult, HotStore, RedisHotStore
+from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats
 from idem.keys import bucket_of, group_by_bucket, validate_key
 from idem.ledger import Ledger, open_ledger
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause, Invalid
@@ -32,27 +32,6 @@ log = logging.getLogger(__name__)
 
 _MAX_INDEX_ROUNDS = 5
 """How often a claim retries after the index fell behind again under its feet."""
-
-CATCH_UP_GRACE_MS = 250
-"""How long a claim waits for a live writer to index its own commit before loading it.
-
-A watermark behind the ledger usually means another writer has committed and is
-marking the keys COMPLETED right now (its claims still guard them meanwhile);
-re-reading that version's files would duplicate its work. Only a writer that
-died or stalled costs the load, after this wait.
-"""
-
-
-@dataclass
-class IndexStats:
-    """What keeping Redis a complete index of the ledger has cost so far."""
-
-    rebuilt_buckets: int = 0
-    rebuilt_keys: int = 0
-    caught_up_versions: int = 0
-    caught_up_keys: int = 0
-    writer_waits: int = 0
-    writer_waits_ms: int = 0
 
 
 class Dedup:
@@ -75,10 +54,11 @@ class Dedup:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.catch_up_grace_ms = catch_up_grace_ms
         self.hot: HotStore = hot or RedisHotStore.from_config(config, client=client, clock=clock)
         self.ledger: Ledger = ledger or open_ledger(config)
-        self.stats = IndexStats()
+        self.index = Indexer(config, self.hot, self.ledger, clock, grace_ms=catch_up_grace_ms)
+        self._pool: ThreadPoolExecutor | None = None
+        self._indexing: Future[CompleteResult] | None = None
 
     def check(self) -> None:
         """Start-up checks: Redis must not evict keys (``maxmemory-policy noeviction``)."""
@@ -208,78 +188,16 @@ class Dedup:
     def catch_up(self, buckets: Iterable[int] | None = None) -> int:
         """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
 
-        Steady state costs one cheap ledger version check and one Redis round trip.
-        Buckets behind the ledger first get ``catch_up_grace_ms`` for the writer of
-        the missing versions to index them itself.
+        Waits for a deferred index update of this object first. Steady state costs
+        one cheap ledger version check and one Redis round trip (see :class:`Indexer`).
         """
-        wanted = list(range(self.config.buckets)) if buckets is None else list(buckets)
-        version = self.ledger.version()
-        marks = self.hot.watermarks(wanted)
-        if self.catch_up_grace_ms > 0 and any(
-            mark is not None and mark < version for mark in marks.values()
-        ):
-            marks = self._wait_for_writers(marks, version)
-        missing = [b for b in wanted if marks.get(b) is None]
-        behind = {b: mark for b in wanted if (mark := marks.get(b)) is not None and mark < version}
-        if missing:
-            self._rebuild(missing)
-        if behind:
-            self._load_missed(behind)
-        return version
+        self.settle()
+        return self.index.catch_up(buckets)
 
-    def _wait_for_writers(
-        self, marks: dict[int, int | None], version: int
-    ) -> dict[int, int | None]:
-        """Re-read lagging watermarks for up to the grace period; return the latest marks."""
-        started = self.clock.now_ms()
-        deadline = started + self.catch_up_grace_ms
-        pause = 0.005
-        lagging = [b for b, mark in marks.items() if mark is not None and mark < version]
-        while lagging and self.clock.now_ms() < deadline:
-            self.clock.sleep(pause)
-            pause = min(pause * 2, 0.05)
-            marks.update(self.hot.watermarks(lagging))
-            lagging = [b for b in lagging if (mark := marks[b]) is not None and mark < version]
-        self.stats.writer_waits += 1
-        self.stats.writer_waits_ms += self.clock.now_ms() - started
-        return marks
-
-    def _rebuild(self, buckets: Sequence[int]) -> None:
-        since = self.clock.now_ms() - self.config.dedup_window_ms
-        snapshot = self.ledger.window(since, buckets)
-        log.info(
-            "rebuilding the Redis index of %d bucket(s) from ledger version %d (%d keys)",
-            len(buckets),
-            snapshot.version,
-            snapshot.keys.num_rows,
-        )
-        self.stats.rebuilt_buckets += len(buckets)
-        self.stats.rebuilt_keys += snapshot.keys.num_rows
-        by_bucket = _split_by_bucket(snapshot.keys, buckets)
-        for bucket in buckets:
-            keys, prints, ats = by_bucket.get(bucket, ([], [], []))
-            self.hot.index_completed(
-                bucket, keys, prints, ats, to_version=snapshot.version, from_version=None
-            )
-
-    def _load_missed(self, behind: Mapping[int, int]) -> None:
-        changes = self.ledger.keys_added_since(min(behind.values()))
-        if changes is None:
-            # The versions we missed were cleaned from the log: rebuild from the window.
-            log.warning("ledger log no longer holds the missed versions; rebuilding the window")
-            since = self.clock.now_ms() - self.config.dedup_window_ms
-            snapshot = self.ledger.window(since, list(behind))
-            table, to_version = snapshot.keys, snapshot.version
-        else:
-            table, to_version = changes.keys, changes.version
-            self.stats.caught_up_versions += to_version - min(behind.values())
-            self.stats.caught_up_keys += table.num_rows
-        by_bucket = _split_by_bucket(table, behind)
-        for bucket, mark in behind.items():
-            keys, prints, ats = by_bucket.get(bucket, ([], [], []))
-            self.hot.index_completed(
-                bucket, keys, prints, ats, to_version=to_version, from_version=mark
-            )
+    @property
+    def stats(self) -> IndexStats:
+        """What keeping Redis a complete index of the ledger has cost so far."""
+        return self.index.stats
 
     # -- step 5 and 6: commit or release ---------------------------------------------------
 
@@ -293,8 +211,16 @@ class Dedup:
         meta: pa.Table | None = None,
         payload: pa.Table | None = None,
         results: Mapping[int, str] | None = None,
+        defer_index: bool = False,
     ) -> CommitOutcome:
         """Record the succeeded rows (default: every fresh row) as done: ledger first, then Redis.
+
+        With ``defer_index`` the Redis update runs in the background after the
+        durable ledger commit and this returns at once (``fenced`` is then
+        logged, not returned); the next :meth:`begin`/:meth:`catch_up` of this
+        object waits for it first (:meth:`settle`). Until it lands, the keys stay
+        claimed by this owner, and if the process dies first the next claim loads
+        the commit from the ledger: the crash window the protocol already covers.
 
         ``meta`` (aligned with the batch's input rows) may carry ``msg_id``,
         ``origin_msg_id``, ``topic``, ``queue_id``, ``queue_offset``;
@@ -353,7 +279,18 @@ class Dedup:
         for key, bucket in zip(keys, buckets, strict=True):
             grouped.setdefault(bucket, []).append(key)
         version = result.version if result.version is not None else -2
-        done = self.hot.complete(grouped, claim.owner, prints, version=version, completed_at_ms=now)
+        fenced: list[str] = []
+        if defer_index:
+            self.settle()
+            self._indexing = self._indexer().submit(
+                self.hot.complete, grouped, claim.owner, prints, version=version,
+                completed_at_ms=now,
+            )  # fmt: skip
+        else:
+            done = self.hot.complete(
+                grouped, claim.owner, prints, version=version, completed_at_ms=now
+            )
+            fenced = done.fenced
         if result.already_present:
             log.warning(
                 "%d key(s) were already in the ledger when committed (slipped duplicates), e.g. %r",
@@ -364,9 +301,43 @@ class Dedup:
             version=result.version,
             committed=result.inserted,
             slipped=tuple(result.already_present),
-            fenced=tuple(done.fenced),
+            fenced=tuple(fenced),
             replayed=result.replayed,
         )
+
+    def settle(self) -> CompleteResult | None:
+        """Wait for a deferred Redis update (``complete(defer_index=True)``); ``None`` if none.
+
+        A failed update is logged, not raised: the ledger commit is durable and
+        the next claim loads what Redis missed.
+        """
+        pending, self._indexing = self._indexing, None
+        if pending is None:
+            return None
+        try:
+            done = pending.result()
+        except (StoreUnavailable, redis.RedisError) as exc:
+            log.warning("deferred Redis index update failed (%s); the next claim catches up", exc)
+            return None
+        if done.fenced:
+            log.warning(
+                "%d key(s) were claimed by another owner when this one completed them, e.g. %r",
+                len(done.fenced),
+                done.fenced[0],
+            )
+        return done
+
+    def close(self) -> None:
+        """Finish a deferred Redis update and stop its thread."""
+        self.settle()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _indexer(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idem-index")
+        return self._pool
 
     def _complete_replayed(
         self,
@@ -507,22 +478,3 @@ def _normalise(
         else:
             first[key] = i
     return normalised, invalid, duplicates, first
-
-
-def _split_by_bucket(
-    table: pa.Table, buckets: Iterable[int]
-) -> dict[int, tuple[list[str], list[str], list[int]]]:
-    """Columns ``bucket, key, fingerprint, completed_at_ms`` split per wanted bucket."""
-    out: dict[int, tuple[list[str], list[str], list[int]]] = {}
-    if table.num_rows == 0:
-        return out
-    # One vectorised filter per bucket: no Python loop per row.
-    for bucket in set(buckets):
-        part = table.filter(pc.equal(table.column("bucket"), bucket))
-        if part.num_rows:
-            out[bucket] = (
-                part.column("key").to_pylist(),
-                pc.fill_null(part.column("fingerprint"), "").to_pylist(),
-                part.column("completed_at_ms").to_pylist(),
-            )
-    return out

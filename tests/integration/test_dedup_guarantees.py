@@ -192,6 +192,21 @@ def test_a_live_writer_indexes_its_own_commit_and_others_do_not_reload_it(
     assert reader.stats.caught_up_keys == 0  # the writer indexed them; nothing was reloaded
 
 
+def test_a_deferred_index_update_lands_before_the_next_claim(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    redis_server.client().flushall()
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(2_000)]
+    outcome = dd.complete(dd.begin(keys, owner="q:1"), batch_id=1, app_id="q", defer_index=True)
+    assert outcome.committed == 2_000  # durable in the ledger when complete returns
+    claim = dd.begin([*keys, "NEW_1"], owner="q:2")  # waits for the Redis update first
+    assert claim.fresh_keys() == ["NEW_1"]
+    assert len(claim.duplicates) == 2_000
+    assert (dd.stats.caught_up_keys, dd.stats.writer_waits) == (0, 0)
+    dd.close()
+
+
 # -- (d) Redis restarted from an AOF that lacks the last writes ----------------------------
 
 
