@@ -134,6 +134,14 @@ class ExactlyOnce:
             self._dedup.check()
         return self._dedup
 
+    def close(self) -> None:
+        """Finish the last batch's background Redis index update (call when the query ends).
+
+        Skipping it is safe: the next claim would load that commit from the ledger.
+        """
+        if self._dedup is not None:
+            self._dedup.close()
+
     @property
     def retry(self) -> RetryEngine:
         """The group's retry engine (send-back, schedule, DLQ)."""

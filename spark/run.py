@@ -345,7 +345,8 @@ class Pipeline:
         )
 
     def close(self) -> None:
-        """Close connections."""
+        """Finish the sink's background work, then close connections."""
+        self.sink.close()
         self.client.close()
 
 

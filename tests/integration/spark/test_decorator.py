@@ -149,6 +149,20 @@ def test_failed_keys_are_sent_back_and_an_exception_fails_every_fresh_row(
     assert engine.pending() == 3  # B, C and D wait on their delay level
 
 
+def test_close_lands_the_last_batchs_redis_update_so_nobody_reloads_it(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "closing")
+    sink = delta_sink(str(tmp_path / "orders"), key="order_id", config=config, client=real_redis)
+    sink.query_id = "q1"
+    sink.process(_df(spark, "A", "B", "C"), 0)  # its Redis update runs in the background
+    sink.close()
+    other = Dedup(config, client=real_redis, catch_up_grace_ms=0)  # another query, no waiting
+    seen = other.begin(["A", "B", "C"], owner="q2:0")
+    assert len(seen.duplicates) == 3
+    assert other.stats.caught_up_keys == 0  # Redis knew them: nothing reloaded from the ledger
+
+
 def test_failed_rows_come_back_through_the_retry_stream_with_their_typed_columns(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
