@@ -51,8 +51,12 @@ def _timed(fn: Callable[[], object]) -> float:
 def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
     client = server.client()
     store = RedisHotStore(
-        client, group="bench", buckets=16, lease_ms=300_000,
-        completed_ttl_ms=7 * 86_400_000, clock=SYSTEM_CLOCK,
+        client,
+        group="bench",
+        buckets=16,
+        lease_ms=300_000,
+        completed_ttl_ms=7 * 86_400_000,
+        clock=SYSTEM_CLOCK,
     )
     set_runs: list[float] = []
     claim_runs: list[float] = []
@@ -94,10 +98,14 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
     both_rate = n_keys / _best(both_runs)
     print(f"\n== Redis hot path, {n_keys:,} new keys, best of {repeat}")
     print(f"  pipelined SET NX PX (baseline)  {base:>10,.0f} keys/s   1.00x")
-    print(f"  claim (Lua, per bucket)         {claim_rate:>10,.0f} keys/s   "
-          f"{claim_rate / base:.2f}x   target >= 2x")
-    print(f"  claim + complete                {both_rate:>10,.0f} keys/s   "
-          f"{both_rate / base:.2f}x   target >= 1x")
+    print(
+        f"  claim (Lua, per bucket)         {claim_rate:>10,.0f} keys/s   "
+        f"{claim_rate / base:.2f}x   target >= 2x"
+    )
+    print(
+        f"  claim + complete                {both_rate:>10,.0f} keys/s   "
+        f"{both_rate / base:.2f}x   target >= 1x"
+    )
     client.close()
 
 
@@ -105,14 +113,15 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
     from _ledger_fixture import build_ledger, fresh_keys, plain_merge_seconds
 
     print(f"\n== Per-batch dedup of {n_keys:,} new keys against a ledger of N keys")
-    print("   (catch-up check + claim + ledger commit + Redis complete; best of "
-          f"{repeat}; the plain MERGE is delta-rs 'WHEN NOT MATCHED INSERT' on (bucket, key))")
+    print(
+        "   (catch-up check + claim + ledger commit + Redis complete; best of "
+        f"{repeat}; the plain MERGE is delta-rs 'WHEN NOT MATCHED INSERT' on (bucket, key))"
+    )
     results: dict[int, tuple[float, float]] = {}
     for size in sizes:
         root = Path(tempfile.mkdtemp(prefix=f"idem-bench-{size}-"))
         try:
-            config = IdemConfig(group="bench", redis_url=server.url, data_dir=str(root),
-                                buckets=16)
+            config = IdemConfig(group="bench", redis_url=server.url, data_dir=str(root), buckets=16)
             started = time.perf_counter()
             build_ledger(config.resolved_ledger_path, size, buckets=config.buckets)
             built = time.perf_counter() - started
@@ -126,33 +135,35 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
                 # interleaved with the ledger's keys, so no file is skipped by key statistics
                 keys = fresh_keys(n_keys, round_=round_)
 
-                def batch(
-                    keys: list[str] = keys, round_: int = round_, dd: Dedup = dd
-                ) -> None:
+                def batch(keys: list[str] = keys, round_: int = round_, dd: Dedup = dd) -> None:
                     claim = dd.begin(keys, owner=f"bench:{round_}")
                     dd.complete(claim, batch_id=round_, app_id="bench")
 
                 runs.append(_timed(batch))
-            merge = plain_merge_seconds(config.resolved_ledger_path, n_keys,
-                                        buckets=config.buckets)
+            merge = plain_merge_seconds(config.resolved_ledger_path, n_keys, buckets=config.buckets)
             results[size] = (_best(runs), merge)
-            print(f"  N={size:>11,}  ledger built {built:6.1f}s  Redis indexed {indexed:6.1f}s  "
-                  f"batch {_best(runs):6.3f}s (median {statistics.median(runs):.3f}s)  "
-                  f"plain MERGE {merge:6.3f}s")
+            print(
+                f"  N={size:>11,}  ledger built {built:6.1f}s  Redis indexed {indexed:6.1f}s  "
+                f"batch {_best(runs):6.3f}s (median {statistics.median(runs):.3f}s)  "
+                f"plain MERGE {merge:6.3f}s"
+            )
         finally:
             shutil.rmtree(root, ignore_errors=True)
     first = results[sizes[0]][0]
     print()
     for size, (batch_s, merge_s) in results.items():
-        print(f"  N={size:>11,}  batch / batch(N={sizes[0]:,}) = {batch_s / first:.2f}x"
-              f"   plain MERGE / batch = {merge_s / batch_s:.1f}x")
+        print(
+            f"  N={size:>11,}  batch / batch(N={sizes[0]:,}) = {batch_s / first:.2f}x"
+            f"   plain MERGE / batch = {merge_s / batch_s:.1f}x"
+        )
     last = sizes[-1]
     print(f"  targets: N={last:,} <= 1.2x the N={sizes[0]:,} case; plain MERGE >= 5x slower")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--sizes", default="100000,1000000,10000000")
     parser.add_argument("--repeat", type=int, default=3)

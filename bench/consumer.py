@@ -70,8 +70,9 @@ class FileSink:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __call__(self, messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         data = "".join(json.dumps({"key": m.keys, "id": m.msg_id}) + "\n" for m in messages)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
@@ -93,8 +94,9 @@ class Progress:
         self._unsent = 0
         threading.Thread(target=self._send, daemon=True, name="progress").start()
 
-    def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
-                 call_next: CallNext) -> BatchResult:
+    def __call__(
+        self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
+    ) -> BatchResult:
         result = call_next(messages)
         later: dict[int, tuple[Deferred, int]] = {}
         for deferred in result.pending.values():
@@ -120,20 +122,26 @@ class Progress:
 def worker(spec: dict[str, Any]) -> None:
     """One consumer instance (a process) until the parent says stop."""
     client = redis.Redis.from_url(spec["redis_url"])
-    config = IdemConfig(group=spec["group"], redis_url=spec["redis_url"],
-                        data_dir=spec["data_dir"], buckets=spec.get("buckets", 16))
+    config = IdemConfig(
+        group=spec["group"],
+        redis_url=spec["redis_url"],
+        data_dir=spec["data_dir"],
+        buckets=spec.get("buckets", 16),
+    )
     settings = ConsumerSettings(
         pull_threshold_for_queue=spec.get("pull_threshold", 1000),
         consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
-        consume_message_batch_max_size=spec["batch"], pull_batch_size=max(spec["batch"], 32),
-        consume_thread_nums=spec["threads"], heartbeat_interval_ms=200,
-        rebalance_interval_ms=1000, persist_consumer_offset_interval_ms=1000,
+        consume_message_batch_max_size=spec["batch"],
+        pull_batch_size=max(spec["batch"], 32),
+        consume_thread_nums=spec["threads"],
+        heartbeat_interval_ms=200,
+        rebalance_interval_ms=1000,
+        persist_consumer_offset_interval_ms=1000,
     )
     sampler = _Sampler() if os.environ.get("IDEM_BENCH_SAMPLE") else None
     profile_to = os.environ.get("IDEM_BENCH_PROFILE") if spec["name"] == "i0" else None
     profiler = _ThreadProfiler() if profile_to else None
-    consumer = PushConsumer(config, settings=settings, client=client,
-                            instance_name=spec["name"])
+    consumer = PushConsumer(config, settings=settings, client=client, instance_name=spec["name"])
     consumer.subscribe(TOPIC)
     consumer.use(Progress(client, spec["counter"]))
     middleware: DedupMiddleware | None = None
@@ -153,9 +161,11 @@ def worker(spec: dict[str, Any]) -> None:
         times = os.times()
         extra = [f"cpu: user {times.user:.1f}s system {times.system:.1f}s"]
         if middleware is not None:
-            extra += [f"index: {middleware.dedup.stats}",
-                      f"dedup: {middleware.stats.commits} commits, "
-                      f"{middleware.claimer.rounds} claim rounds"]
+            extra += [
+                f"index: {middleware.dedup.stats}",
+                f"dedup: {middleware.stats.commits} commits, "
+                f"{middleware.claimer.rounds} claim rounds",
+            ]
         sampler.dump(Path(spec["sink"]).with_suffix(".samples"), extra)
     if profiler is not None and profile_to:
         profiler.dump(f"{profile_to}.{'dedup' if spec['dedup'] else 'plain'}-{spec['batch']}")
@@ -209,8 +219,11 @@ class _Sampler:
                 for tid, frame in sys._current_frames().items():
                     if tid != me:
                         stack = traceback.extract_stack(frame)[-6:]
-                        self.counts[" <- ".join(
-                            f"{f.name}:{Path(f.filename).name}:{f.lineno}" for f in stack)] += 1
+                        self.counts[
+                            " <- ".join(
+                                f"{f.name}:{Path(f.filename).name}:{f.lineno}" for f in stack
+                            )
+                        ] += 1
 
         threading.Thread(target=run, daemon=True).start()
 
@@ -222,13 +235,15 @@ class _Sampler:
         import idem.retry.consumer.pull as pl
 
         self.times: dict[str, list[tuple[float, float]]] = {}
-        for cls, names in ((idem.dedup.Dedup, ("begin", "complete", "catch_up")),
-                           (gcm.GroupCommitter, ("_acquire", "_commit")),
-                           (gc.GroupClaimer, ("_claim",)),
-                           (mw.DedupMiddleware, ("__call__",)),
-                           (cc.ConcurrentlyService, ("_consume_request", "_settled")),
-                           (pl.PullService, ("_pull", "_deliver")),
-                           (FileSink, ("__call__",))):
+        for cls, names in (
+            (idem.dedup.Dedup, ("begin", "complete", "catch_up")),
+            (gcm.GroupCommitter, ("_acquire", "_commit")),
+            (gc.GroupClaimer, ("_claim",)),
+            (mw.DedupMiddleware, ("__call__",)),
+            (cc.ConcurrentlyService, ("_consume_request", "_settled")),
+            (pl.PullService, ("_pull", "_deliver")),
+            (FileSink, ("__call__",)),
+        ):
             for name in names:
                 self._wrap(cls, name)
 
@@ -250,14 +265,24 @@ class _Sampler:
         lines = extra + [
             f"{k}: n={len(v)} mean={statistics.mean(w for w, _ in v) * 1000:.1f}ms "
             f"wall={sum(w for w, _ in v):.2f}s thread-cpu={sum(c for _, c in v):.2f}s"
-            for k, v in self.times.items() if v
+            for k, v in self.times.items()
+            if v
         ]
         lines += [f"{n} {k}" for k, n in self.counts.most_common(30)]
         path.write_text("\n".join(lines))
 
 
-def throughput(server: RedisServer, *, dedup: bool, messages: int, warmup: int, batch: int,
-               threads: int, workdir: Path, **extra: Any) -> float:
+def throughput(
+    server: RedisServer,
+    *,
+    dedup: bool,
+    messages: int,
+    warmup: int,
+    batch: int,
+    threads: int,
+    workdir: Path,
+    **extra: Any,
+) -> float:
     """Messages/second of a 2-instance group after ``warmup`` messages were consumed."""
     group = f"bench-{'dedup' if dedup else 'plain'}-{batch}-{uuid.uuid4().hex[:6]}"
     client = server.client()
@@ -265,16 +290,35 @@ def throughput(server: RedisServer, *, dedup: bool, messages: int, warmup: int, 
     producer = Producer("bench-producer", client=client)
     total = warmup + messages
     for start in range(0, total, 10_000):
-        producer.send_batch([new_message(TOPIC, b'{"amount": 1}', keys=f"{group}-{i}")
-                             for i in range(start, min(start + 10_000, total))])
+        producer.send_batch(
+            [
+                new_message(TOPIC, b'{"amount": 1}', keys=f"{group}-{i}")
+                for i in range(start, min(start + 10_000, total))
+            ]
+        )
     counter, stop = f"{group}:consumed", f"{group}:stop"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=({
-        "redis_url": server.url, "group": group, "data_dir": str(workdir / group),
-        "batch": batch, "threads": threads, "name": f"i{n}", "dedup": dedup,
-        "counter": counter, "stop": stop, "sink": str(workdir / f"{group}-{n}.jsonl"),
-        **extra,
-    },)) for n in range(INSTANCES)]
+    procs = [
+        ctx.Process(
+            target=worker,
+            args=(
+                {
+                    "redis_url": server.url,
+                    "group": group,
+                    "data_dir": str(workdir / group),
+                    "batch": batch,
+                    "threads": threads,
+                    "name": f"i{n}",
+                    "dedup": dedup,
+                    "counter": counter,
+                    "stop": stop,
+                    "sink": str(workdir / f"{group}-{n}.jsonl"),
+                    **extra,
+                },
+            ),
+        )
+        for n in range(INSTANCES)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -298,8 +342,9 @@ def _wait_count(client: redis.Redis, key: str, target: int, timeout: float) -> f
     return time.monotonic()
 
 
-def timeout_lateness(server: RedisServer, *, stuck: int, timeout_ms: int, workdir: Path
-                     ) -> tuple[list[int], list[int]]:
+def timeout_lateness(
+    server: RedisServer, *, stuck: int, timeout_ms: int, workdir: Path
+) -> tuple[list[int], list[int]]:
     """How late (ms after the deadline) each of ``stuck`` messages arriving at random moments
     was found by the watchdog, and was sent back."""
     group = f"bench-timeout-{uuid.uuid4().hex[:6]}"
@@ -308,13 +353,17 @@ def timeout_lateness(server: RedisServer, *, stuck: int, timeout_ms: int, workdi
     TopicStore(client).create_topic(topic, QUEUES)
     config = IdemConfig(group=group, redis_url=server.url, data_dir=str(workdir / group))
     settings = ConsumerSettings(
-        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=20,
-        consume_thread_nums=96, consume_timeout_ms=timeout_ms, heartbeat_interval_ms=200,
+        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+        pull_block_ms=20,
+        consume_thread_nums=96,
+        consume_timeout_ms=timeout_ms,
+        heartbeat_interval_ms=200,
     )
     hold_s = timeout_ms / 1000 + 3.0  # long enough that even a late find is still found
 
-    def listener(messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    def listener(
+        messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         if messages[0].reconsume_times == 0:
             time.sleep(hold_s)  # stuck past its deadline
         return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
@@ -350,53 +399,88 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=60_000)
     parser.add_argument("--warmup", type=int, default=10_000)
-    parser.add_argument("--batch", type=int, action="append",
-                        help="consume_message_batch_max_size (repeatable; default 256 and 32)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        action="append",
+        help="consume_message_batch_max_size (repeatable; default 256 and 32)",
+    )
     parser.add_argument("--threads", type=int, default=20)
     parser.add_argument("--stuck", type=int, default=200)
     parser.add_argument("--timeout-ms", type=int, default=1000)
-    parser.add_argument("--commit-interval-ms", type=int, default=200,
-                        help="dedup group commit: how long the oldest key waits for company")
-    parser.add_argument("--no-commit-lock", action="store_true",
-                        help="dedup: no Redis lock taking turns on ledger commits")
-    parser.add_argument("--skip-timeout", action="store_true",
-                        help="measure throughput only")
+    parser.add_argument(
+        "--commit-interval-ms",
+        type=int,
+        default=200,
+        help="dedup group commit: how long the oldest key waits for company",
+    )
+    parser.add_argument(
+        "--no-commit-lock",
+        action="store_true",
+        help="dedup: no Redis lock taking turns on ledger commits",
+    )
+    parser.add_argument("--skip-timeout", action="store_true", help="measure throughput only")
     args = parser.parse_args()
-    dedup_options = {"commit_lock": not args.no_commit_lock,
-                     "commit_interval_ms": args.commit_interval_ms}
+    dedup_options = {
+        "commit_lock": not args.no_commit_lock,
+        "commit_interval_ms": args.commit_interval_ms,
+    }
     batches = args.batch or [256, 32]
     workdir = Path(tempfile.mkdtemp(prefix="idem-bench-consumer-"))
     server = RedisServer()
     server.start()
     try:
-        print(f"push consumer, {INSTANCES} instances (processes), {QUEUES} queues, "
-              f"{args.threads} consume threads each, file sink, {os.cpu_count()} cores; "
-              f"dedup group commit every {args.commit_interval_ms} ms, "
-              f"commit lock {'off' if args.no_commit_lock else 'on'}")
+        print(
+            f"push consumer, {INSTANCES} instances (processes), {QUEUES} queues, "
+            f"{args.threads} consume threads each, file sink, {os.cpu_count()} cores; "
+            f"dedup group commit every {args.commit_interval_ms} ms, "
+            f"commit lock {'off' if args.no_commit_lock else 'on'}"
+        )
         print(f"{'batch':>6} {'plain msg/s':>12} {'dedup msg/s':>12} {'ratio':>6}")
         for batch in batches:
             n = args.messages if batch >= 16 else max(args.messages // 20, 1000)
             w = args.warmup if batch >= 16 else max(args.warmup // 20, 500)
-            plain = throughput(server, dedup=False, messages=n, warmup=w, batch=batch,
-                               threads=args.threads, workdir=workdir)
-            dedup = throughput(server, dedup=True, messages=n, warmup=w, batch=batch,
-                               threads=args.threads, workdir=workdir, **dedup_options)
-            print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}",
-                  flush=True)
+            plain = throughput(
+                server,
+                dedup=False,
+                messages=n,
+                warmup=w,
+                batch=batch,
+                threads=args.threads,
+                workdir=workdir,
+            )
+            dedup = throughput(
+                server,
+                dedup=True,
+                messages=n,
+                warmup=w,
+                batch=batch,
+                threads=args.threads,
+                workdir=workdir,
+                **dedup_options,
+            )
+            print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}", flush=True)
         if args.skip_timeout:
             return
 
-        late, sent = timeout_lateness(server, stuck=args.stuck, timeout_ms=args.timeout_ms,
-                                      workdir=workdir)
+        late, sent = timeout_lateness(
+            server, stuck=args.stuck, timeout_ms=args.timeout_ms, workdir=workdir
+        )
         t = args.timeout_ms
         print(f"\nconsume timeout {t} ms, {len(late)} stuck messages arriving at random:")
-        print(f"  idem     found   p50 {statistics.median(late):.0f} ms, "
-              f"p99 {percentile(late, 99):.0f} ms, max {max(late)} ms after the deadline")
-        print(f"  idem     sent back (journaled + scheduled) p50 {statistics.median(sent):.0f} ms, "
-              f"p99 {percentile(sent, 99):.0f} ms, max {max(sent)} ms after the deadline")
-        print(f"  RocketMQ scan every timeout: lateness uniform in [0, {t}) ms -> "
-              f"p50 {0.5 * t:.0f} ms, p99 {0.99 * t:.0f} ms, max ~{t} ms "
-              f"(default 15 min timeout: p99 {0.99 * 15:.2f} min)")
+        print(
+            f"  idem     found   p50 {statistics.median(late):.0f} ms, "
+            f"p99 {percentile(late, 99):.0f} ms, max {max(late)} ms after the deadline"
+        )
+        print(
+            f"  idem     sent back (journaled + scheduled) p50 {statistics.median(sent):.0f} ms, "
+            f"p99 {percentile(sent, 99):.0f} ms, max {max(sent)} ms after the deadline"
+        )
+        print(
+            f"  RocketMQ scan every timeout: lateness uniform in [0, {t}) ms -> "
+            f"p50 {0.5 * t:.0f} ms, p99 {0.99 * t:.0f} ms, max ~{t} ms "
+            f"(default 15 min timeout: p99 {0.99 * 15:.2f} min)"
+        )
     finally:
         server.stop()
 

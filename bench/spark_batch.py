@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ledger_fixture import build_ledger, fresh_keys, key_strings
 
 from idem.config import IdemConfig
+from idem.ledger import read_table
 from idem.redis_server import RedisServer
 from idem.spark.decorator import ExactlyOnce
 from idem.spark.session import local_session
@@ -62,12 +63,16 @@ def write_batches(directory: Path, *, rows: int, batches: int, ledger_keys: int)
     for b in range(batches):
         new = fresh_keys(rows, round_=b)
         dup = max(1, rows // 100)
-        old = key_strings(0, ledger_keys).take(
-            pa.array(rng.integers(0, ledger_keys, size=dup))
-        ).to_pylist()
+        old = (
+            key_strings(0, ledger_keys)
+            .take(pa.array(rng.integers(0, ledger_keys, size=dup)))
+            .to_pylist()
+        )
         keys = new[: rows - 2 * dup] + new[:dup] + old  # in-batch repeats and old keys
-        times = base + np.timedelta64(b * 60, "s") + rng.integers(0, 59_000_000, size=rows).astype(
-            "timedelta64[us]"
+        times = (
+            base
+            + np.timedelta64(b * 60, "s")
+            + rng.integers(0, 59_000_000, size=rows).astype("timedelta64[us]")
         )
         table = pa.table(
             {
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "decorated":
                 decorated.print_steps()
         if "decorated" in results:
-            counts = DeltaTable(str(sink_table)).to_pyarrow_table(columns=["key"]).num_rows
+            counts = read_table(DeltaTable(str(sink_table)), ["key"]).num_rows
             expected = info.keys + args.batches * (args.rows - 2 * max(1, args.rows // 100))
             print(f"decorated sink table: {counts} rows (expected {expected}: each key once)")
         print_ratios(results)

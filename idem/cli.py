@@ -22,8 +22,7 @@ LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli
 
 
 class _Registrar(Protocol):
-    def __call__(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-        ...
+    def __call__(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None: ...
 
 
 Handler = Callable[[argparse.Namespace], int]

@@ -169,9 +169,7 @@ class IdemConfig:
         return replace(self, **changes)
 
     @classmethod
-    def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> IdemConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> IdemConfig:
         """Build from ``IDEM_<SETTING>`` variables (e.g. ``IDEM_GROUP``, ``IDEM_LEASE_MS``).
 
         Durations accept units (``IDEM_DEDUP_WINDOW_MS=7d``). Keyword overrides win.

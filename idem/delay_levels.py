@@ -47,8 +47,7 @@ class DelayLevels:
         """Parse RocketMQ's form: space-separated ``<int><unit>``, unit in ms/s/m/h/d."""
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(
-                "delay_levels: expected a string like "
-                f"{DEFAULT_DELAY_LEVELS!r}, got {text!r}"
+                f"delay_levels: expected a string like {DEFAULT_DELAY_LEVELS!r}, got {text!r}"
             )
         delays: list[int] = []
         for position, token in enumerate(text.split(), start=1):

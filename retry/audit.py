@@ -40,8 +40,11 @@ class StateAudit:
         for origin in self.done | self.retrying | self.dead:
             states = tuple(
                 name
-                for name, members in (("done", self.done), ("retrying", self.retrying),
-                                      ("dead", self.dead))
+                for name, members in (
+                    ("done", self.done),
+                    ("retrying", self.retrying),
+                    ("dead", self.dead),
+                )
                 if origin in members
             )
             if len(states) > 1:
@@ -74,9 +77,7 @@ class StateAudit:
         )
 
 
-def audit_states(
-    engine: RetryEngine, expected: Iterable[str], done: Iterable[str]
-) -> StateAudit:
+def audit_states(engine: RetryEngine, expected: Iterable[str], done: Iterable[str]) -> StateAudit:
     """Audit ``engine``'s group: ``expected`` origin ids, of which ``done`` were completed."""
     retrying = frozenset(e.origin_msg_id for e in engine.store.live_entries())
     journal_retrying = frozenset(

@@ -34,8 +34,7 @@ _CONFIG_OPTIONS = {
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", required=True, help="consumer group (IDEM_GROUP)")
     parser.add_argument("--redis-url", help="redis:// or rediss:// URL (IDEM_REDIS_URL)")
-    parser.add_argument("--delay-levels",
-                        help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
+    parser.add_argument("--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
     parser.add_argument("--data-dir", help="where the group's Delta tables live by default")
     parser.add_argument("--journal-path", help="the retry journal's Delta table")
     parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
@@ -60,8 +59,12 @@ def _schedule(args: argparse.Namespace) -> int:
         service.stop(timeout=0)
 
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"idem schedule: group {engine.group}, {engine.config.redis_url}, "
-          f"levels {engine.config.delay_levels}", file=sys.stderr, flush=True)
+    print(
+        f"idem schedule: group {engine.group}, {engine.config.redis_url}, "
+        f"levels {engine.config.delay_levels}",
+        file=sys.stderr,
+        flush=True,
+    )
     service.start()
     try:
         while not stop.wait(0.5):
@@ -79,9 +82,11 @@ def _rebuild(args: argparse.Namespace) -> int:
     engine = RetryEngine(_config(args))
     try:
         result = engine.rebuild()
-        print(f"rebuilt {engine.group} from {engine.journal.path}: "
-              f"{result.scheduled} scheduled, {result.removed} removed, "
-              f"{engine.pending()} pending")
+        print(
+            f"rebuilt {engine.group} from {engine.journal.path}: "
+            f"{result.scheduled} scheduled, {result.removed} removed, "
+            f"{engine.pending()} pending"
+        )
     finally:
         engine.close()
     return 0
@@ -103,10 +108,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "schedule", help="run the schedule service of a consumer group until interrupted"
     )
     _add_config_options(schedule)
-    schedule.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                          help="messages moved per Lua call")
-    schedule.add_argument("--max-idle-ms", type=int, default=DEFAULT_MAX_IDLE_MS,
-                          help="longest wait without looking at the queues")
+    schedule.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="messages moved per Lua call"
+    )
+    schedule.add_argument(
+        "--max-idle-ms",
+        type=int,
+        default=DEFAULT_MAX_IDLE_MS,
+        help="longest wait without looking at the queues",
+    )
     schedule.set_defaults(func=_schedule)
 
     retry = subparsers.add_parser("retry", help="the resend path: rebuild, stats")

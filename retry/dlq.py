@@ -27,6 +27,7 @@ from deltalake.schema import Field, PrimitiveType
 from deltalake.transaction import CommitProperties, Transaction
 
 from idem.clock import SYSTEM_CLOCK, Clock
+from idem.ledger import read_table
 from idem.retry.errors import DeadLetterError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.message import (
@@ -299,9 +300,17 @@ class DeadLetterTable:
         table = self._table(create=False)
         if table is None:
             return DLQ_SCHEMA.empty_table()
-        return self.faults.delta(
-            table.to_pyarrow_table, what=f"read {self.name}", wrap=DeadLetterError
-        )
+
+        def read() -> pa.Table:
+            rows = read_table(table)
+            for name in _ADDED_COLUMNS:  # a table written before the column existed
+                if name not in rows.column_names:
+                    rows = rows.append_column(
+                        name, pa.nulls(rows.num_rows, DLQ_SCHEMA.field(name).type)
+                    )
+            return rows.select(DLQ_SCHEMA.names).cast(DLQ_SCHEMA)
+
+        return self.faults.delta(read, what=f"read {self.name}", wrap=DeadLetterError)
 
     def list(
         self, *, status: DeadLetterStatus | None = None, limit: int | None = None
@@ -322,8 +331,11 @@ class DeadLetterTable:
         return len(self.list(status=status))
 
     def _set_status(
-        self, letters: Iterable[DeadLetter | tuple[str, str]], status: DeadLetterStatus,
-        at_ms: int | None, by: str | None,
+        self,
+        letters: Iterable[DeadLetter | tuple[str, str]],
+        status: DeadLetterStatus,
+        at_ms: int | None,
+        by: str | None,
     ) -> int:
         ids = {(x.origin_msg_id, x.msg_id) if isinstance(x, DeadLetter) else x for x in letters}
         table = self._table(create=False)

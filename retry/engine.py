@@ -148,11 +148,16 @@ class RetryEngine:
         self.store = ScheduleStore(self.client, self.group)
         self.topic = RetryTopic(self.store, reclaim_idle_ms=config.consume_timeout_ms)
         self.journal = RetryJournal(
-            config.resolved_journal_path, self.group, storage_options=storage_options,
+            config.resolved_journal_path,
+            self.group,
+            storage_options=storage_options,
             faults=faults,
         )
         self.dlq = DeadLetterTable(
-            config.resolved_dlq_path, self.group, clock=clock, storage_options=storage_options,
+            config.resolved_dlq_path,
+            self.group,
+            clock=clock,
+            storage_options=storage_options,
             faults=faults,
         )
         self.processor = SendBackProcessor(
@@ -182,18 +187,32 @@ class RetryEngine:
         original = decision.original
         if isinstance(decision, DeadLettered):
             return JournalEvent(
-                JournalEventType.DEAD, original.msg_id, original.origin_msg_id, original.keys,
-                original.reconsume_times, -1, at_ms=now,
+                JournalEventType.DEAD,
+                original.msg_id,
+                original.origin_msg_id,
+                original.keys,
+                original.reconsume_times,
+                -1,
+                at_ms=now,
             )
         message = decision.message
         return JournalEvent(
-            JournalEventType.SCHEDULED, message.msg_id, message.origin_msg_id, message.keys,
-            message.reconsume_times, decision.level, decision.queue_id, decision.due_ms,
+            JournalEventType.SCHEDULED,
+            message.msg_id,
+            message.origin_msg_id,
+            message.keys,
+            message.reconsume_times,
+            decision.level,
+            decision.queue_id,
+            decision.due_ms,
             # only a message read from the retry topic can still be live in Redis (a busy
             # resend keeps reconsume_times 0 but carries ORIGIN_MESSAGE_ID)
-            replaces=original.msg_id if original.reconsume_times > 0 or
-            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in original.properties else None,
-            wire=message.to_wire(), at_ms=now,
+            replaces=original.msg_id
+            if original.reconsume_times > 0
+            or MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in original.properties
+            else None,
+            wire=message.to_wire(),
+            at_ms=now,
         )
 
     def send_back(
@@ -263,8 +282,11 @@ class RetryEngine:
             version = self.journal.append(events, app_id=app_id, txn_version=txn_version)
             self._stage("journaled", list(messages))
         except LedgerError:
-            log.warning("send-back of %d message(s): Delta unavailable; re-submit later",
-                        len(messages), exc_info=True)
+            log.warning(
+                "send-back of %d message(s): Delta unavailable; re-submit later",
+                len(messages),
+                exc_info=True,
+            )
             self._stage("resubmit", list(messages))
             return self._result(decisions, SendBackStatus.RESUBMIT_LATER, now, journaled=False)
 
@@ -283,9 +305,12 @@ class RetryEngine:
                 )
                 status = SendBackStatus.FALLBACK
             except StoreUnavailable:
-                log.warning("send-back of %d message(s): Redis unavailable; journaled, "
-                            "re-submit after %d ms", len(scheduled),
-                            self.faults.resubmit_delay_ms)
+                log.warning(
+                    "send-back of %d message(s): Redis unavailable; journaled, "
+                    "re-submit after %d ms",
+                    len(scheduled),
+                    self.faults.resubmit_delay_ms,
+                )
                 self._stage("resubmit", [d.original for d in scheduled])
                 status = SendBackStatus.RESUBMIT_LATER
         return self._result(decisions, status, now, journaled=True)
@@ -303,21 +328,36 @@ class RetryEngine:
         for d in decisions:
             original = d.original
             if isinstance(d, DeadLettered) and journaled:
-                outcomes.append(SendBackOutcome(
-                    original.msg_id, original.origin_msg_id, SendBackStatus.DEAD,
-                    delay_level=-1, reason=d.letter.reason,
-                ))
+                outcomes.append(
+                    SendBackOutcome(
+                        original.msg_id,
+                        original.origin_msg_id,
+                        SendBackStatus.DEAD,
+                        delay_level=-1,
+                        reason=d.letter.reason,
+                    )
+                )
             elif isinstance(d, DeadLettered) or status is SendBackStatus.RESUBMIT_LATER:
-                outcomes.append(SendBackOutcome(
-                    original.msg_id, original.origin_msg_id, SendBackStatus.RESUBMIT_LATER,
-                    resubmit_at_ms=resubmit_at,
-                ))
+                outcomes.append(
+                    SendBackOutcome(
+                        original.msg_id,
+                        original.origin_msg_id,
+                        SendBackStatus.RESUBMIT_LATER,
+                        resubmit_at_ms=resubmit_at,
+                    )
+                )
             else:
                 assert isinstance(d, Scheduled)
-                outcomes.append(SendBackOutcome(
-                    original.msg_id, original.origin_msg_id, status,
-                    new_msg_id=d.message.msg_id, delay_level=d.level, due_ms=d.due_ms,
-                ))
+                outcomes.append(
+                    SendBackOutcome(
+                        original.msg_id,
+                        original.origin_msg_id,
+                        status,
+                        new_msg_id=d.message.msg_id,
+                        delay_level=d.level,
+                        due_ms=d.due_ms,
+                    )
+                )
         return SendBackResult(tuple(outcomes))
 
     def dead_letter(
@@ -338,9 +378,7 @@ class RetryEngine:
 
     # -- journal <-> Redis ---------------------------------------------------------------
 
-    def _sync_or_raise(
-        self, own: tuple[int, Sequence[JournalEvent]] | None = None
-    ) -> ApplyResult:
+    def _sync_or_raise(self, own: tuple[int, Sequence[JournalEvent]] | None = None) -> ApplyResult:
         result = self.faults.redis(
             lambda: self.journal.sync(self.store, own=own),
             what="apply the retry journal to Redis",
@@ -390,8 +428,14 @@ class RetryEngine:
         unique = {m.msg_id: m for m in messages}
         now = self.clock.now_ms()
         events = [
-            JournalEvent(JournalEventType.ACKED, m.msg_id, m.origin_msg_id, m.keys,
-                         m.reconsume_times, at_ms=now)
+            JournalEvent(
+                JournalEventType.ACKED,
+                m.msg_id,
+                m.origin_msg_id,
+                m.keys,
+                m.reconsume_times,
+                at_ms=now,
+            )
             for m in unique.values()
         ]
         version = self.journal.append(events)
@@ -425,8 +469,13 @@ class RetryEngine:
     ) -> ScheduleService:
         """A :class:`ScheduleService` for this group (``start()`` it, or ``run()`` it)."""
         return ScheduleService(
-            self.store, clock=self.clock, sync=self.sync, batch_size=batch_size,
-            max_idle_ms=max_idle_ms, sync_interval_ms=sync_interval_ms, name=name,
+            self.store,
+            clock=self.clock,
+            sync=self.sync,
+            batch_size=batch_size,
+            max_idle_ms=max_idle_ms,
+            sync_interval_ms=sync_interval_ms,
+            name=name,
         )
 
     def stats(self) -> RetryStats:

@@ -79,7 +79,9 @@ class FaultTolerance:
             retry=retry_if_exception_type(transient),
             reraise=True,
             before_sleep=lambda rs: log.debug(
-                "%s failed (attempt %d), retrying: %s", what, rs.attempt_number,
+                "%s failed (attempt %d), retrying: %s",
+                what,
+                rs.attempt_number,
                 rs.outcome.exception() if rs.outcome else None,
             ),
         )

@@ -93,8 +93,14 @@ class JournalEvent:
             out.append(Op("R", self.removes))
         if schedule and self.event is JournalEventType.SCHEDULED:
             out.append(
-                Op("S", self.msg_id, self.origin_msg_id, self.queue_id or "",
-                   self.due_ms or 0, self.wire or "")
+                Op(
+                    "S",
+                    self.msg_id,
+                    self.origin_msg_id,
+                    self.queue_id or "",
+                    self.due_ms or 0,
+                    self.wire or "",
+                )
             )
         return out
 
@@ -297,14 +303,14 @@ class RetryJournal:
                 latest = table.version()
                 if position.version > latest:
                     return [], position
-                reader = table.load_cdf(
-                    starting_version=position.version, ending_version=latest
-                )
+                reader = table.load_cdf(starting_version=position.version, ending_version=latest)
                 rows = pa.table(reader).to_pylist()
             events = sorted(
                 (
-                    (JournalPosition(int(r["_commit_version"]), int(r["seq"])),
-                     JournalEvent.from_row(r))
+                    (
+                        JournalPosition(int(r["_commit_version"]), int(r["seq"])),
+                        JournalEvent.from_row(r),
+                    )
                     for r in rows
                     if r["_change_type"] == "insert"
                 ),

@@ -116,8 +116,11 @@ class MessageExt:
             raise TypeError(f"body: must be bytes, got {type(self.body).__name__}")
         if self.reconsume_times < 0:
             raise ValueError(f"reconsume_times: must be >= 0, got {self.reconsume_times}")
-        bad = [k for k, v in self.properties.items() if not isinstance(k, str)
-               or not isinstance(v, str)]
+        bad = [
+            k
+            for k, v in self.properties.items()
+            if not isinstance(k, str) or not isinstance(v, str)
+        ]
         if bad:
             raise TypeError(f"properties: keys and values must be strings (bad: {bad[:3]!r})")
         object.__setattr__(self, "properties", _frozen(self.properties))

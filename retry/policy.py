@@ -86,9 +86,7 @@ def stop_after_reconsume_times(limit: int) -> Stop:
     """Give up once ``reconsume_times >= limit`` (RocketMQ's ``maxReconsumeTimes``)."""
     if limit < 0:
         raise ConfigError(f"max_reconsume_times: must be >= 0, got {limit}")
-    return Stop(
-        lambda s: s.reconsume_times >= limit, f"reconsume times reached max ({limit})"
-    )
+    return Stop(lambda s: s.reconsume_times >= limit, f"reconsume times reached max ({limit})")
 
 
 def stop_on_dead_letter_request() -> Stop:

@@ -169,8 +169,9 @@ class ScheduleService:
                         message = pubsub.get_message(timeout=0)
                 backoff_s = 0.05
             except REDIS_TRANSIENT as exc:
-                log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.name, exc,
-                            backoff_s)
+                log.warning(
+                    "%s: Redis unavailable (%s); retrying in %.2fs", self.name, exc, backoff_s
+                )
                 if pubsub is not None:
                     try:
                         pubsub.close()

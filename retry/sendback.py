@@ -109,7 +109,9 @@ class SendBackProcessor:
         decision = self.policy(state)
         if decision.delay is None:
             letter = DeadLetter.of(
-                self.group, with_failure(message, failure), reason=decision.reason,
+                self.group,
+                with_failure(message, failure),
+                reason=decision.reason,
                 dead_at_ms=now,
             )
             return DeadLettered(original=message, letter=letter)
@@ -119,8 +121,14 @@ class SendBackProcessor:
         reconsume_times = message.reconsume_times + 1
         props = failure_properties(message, failure)
         msg_id = new_msg_id(self.group, message.origin_msg_id, reconsume_times)
-        scheduled = self._build(message, msg_id, reconsume_times=reconsume_times,
-                                level=delay.level, due=due, extra=props)
+        scheduled = self._build(
+            message,
+            msg_id,
+            reconsume_times=reconsume_times,
+            level=delay.level,
+            due=due,
+            extra=props,
+        )
         return Scheduled(
             original=message,
             message=scheduled,
@@ -130,8 +138,9 @@ class SendBackProcessor:
             due_ms=due,
         )
 
-    def process_busy(self, message: MessageExt, *, delay_level: int = BUSY_DELAY_LEVEL
-                     ) -> Scheduled:
+    def process_busy(
+        self, message: MessageExt, *, delay_level: int = BUSY_DELAY_LEVEL
+    ) -> Scheduled:
         """Schedule ``message`` again because its key is busy: not a failure.
 
         ``reconsume_times`` and the failure history are kept (a key that is only
@@ -142,25 +151,46 @@ class SendBackProcessor:
         level = min(max(delay_level, 1), self.levels.max_level)
         delay_ms = self.levels.delay_ms(level)
         due = self.clock.now_ms() + delay_ms
-        scheduled = self._build(message, busy_msg_id(self.group, message.msg_id),
-                                reconsume_times=message.reconsume_times, level=level, due=due,
-                                extra={})
-        return Scheduled(original=message, message=scheduled, level=level,
-                         queue_id=str(level - 1), delay_ms=delay_ms, due_ms=due)
+        scheduled = self._build(
+            message,
+            busy_msg_id(self.group, message.msg_id),
+            reconsume_times=message.reconsume_times,
+            level=level,
+            due=due,
+            extra={},
+        )
+        return Scheduled(
+            original=message,
+            message=scheduled,
+            level=level,
+            queue_id=str(level - 1),
+            delay_ms=delay_ms,
+            due_ms=due,
+        )
 
-    def _build(self, message: MessageExt, msg_id: str, *, reconsume_times: int, level: int,
-               due: int, extra: dict[str, str]) -> MessageExt:
+    def _build(
+        self,
+        message: MessageExt,
+        msg_id: str,
+        *,
+        reconsume_times: int,
+        level: int,
+        due: int,
+        extra: dict[str, str],
+    ) -> MessageExt:
         """The resent message, waiting in its schedule queue (level) or the timer (0)."""
         props = dict(message.properties)
         props.update(extra)
-        props.update({
-            MessageConst.PROPERTY_RETRY_TOPIC: message.retry_topic_origin,
-            MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: message.origin_msg_id,
-            MessageConst.PROPERTY_RECONSUME_TIME: str(reconsume_times),
-            MessageConst.PROPERTY_MAX_RECONSUME_TIMES: str(self.max_reconsume_times),
-            MessageConst.PROPERTY_REAL_TOPIC: self.retry_topic,
-            MessageConst.PROPERTY_REAL_QUEUE_ID: str(REAL_QUEUE_ID),
-        })
+        props.update(
+            {
+                MessageConst.PROPERTY_RETRY_TOPIC: message.retry_topic_origin,
+                MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: message.origin_msg_id,
+                MessageConst.PROPERTY_RECONSUME_TIME: str(reconsume_times),
+                MessageConst.PROPERTY_MAX_RECONSUME_TIMES: str(self.max_reconsume_times),
+                MessageConst.PROPERTY_REAL_TOPIC: self.retry_topic,
+                MessageConst.PROPERTY_REAL_QUEUE_ID: str(REAL_QUEUE_ID),
+            }
+        )
         if level > 0:
             topic, schedule_qid = SCHEDULE_TOPIC, level - 1
             props[MessageConst.PROPERTY_DELAY_TIME_LEVEL] = str(level)

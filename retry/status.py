@@ -92,8 +92,9 @@ def run_listener(
     try:
         status = listener(messages, context)
     except Exception:  # the listener's own failure: logged, never propagated
-        log.warning("listener failed; %d message(s) will be reconsumed later", len(messages),
-                    exc_info=True)
+        log.warning(
+            "listener failed; %d message(s) will be reconsumed later", len(messages), exc_info=True
+        )
         return ConsumeConcurrentlyStatus.RECONSUME_LATER
     if status is None:
         return ConsumeConcurrentlyStatus.RECONSUME_LATER
@@ -169,6 +170,8 @@ def orderly_outcome(
         return OrderlyOutcome(OrderlyAction.DEAD_LETTER, dead=dead)
     suspend = context.suspend_current_queue_time_millis
     return OrderlyOutcome(
-        OrderlyAction.SUSPEND, retry=retry, dead=dead,
+        OrderlyAction.SUSPEND,
+        retry=retry,
+        dead=dead,
         suspend_ms=suspend if suspend >= 0 else DEFAULT_SUSPEND_MS,
     )

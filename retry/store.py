@@ -180,8 +180,14 @@ class ScheduleStore:
     # -- applying journal events ---------------------------------------------------------
 
     def _apply_args(self, ops: Sequence[Op]) -> tuple[list[str], list[Any]]:
-        keys = [self.keys.cursor, self.keys.live, self.keys.payloads, self.keys.heads,
-                self.keys.stream, self.keys.progress]
+        keys = [
+            self.keys.cursor,
+            self.keys.live,
+            self.keys.payloads,
+            self.keys.heads,
+            self.keys.stream,
+            self.keys.progress,
+        ]
         index: dict[str, int] = {}
         args: list[Any] = []
         for op in ops:
@@ -189,8 +195,15 @@ class ScheduleStore:
                 if op.queue_id not in index:
                     keys.append(self.keys.queue(op.queue_id))
                     index[op.queue_id] = len(keys)
-                args += ["S", op.msg_id, op.origin, index[op.queue_id], op.queue_id, op.due_ms,
-                         op.wire]
+                args += [
+                    "S",
+                    op.msg_id,
+                    op.origin,
+                    index[op.queue_id],
+                    op.queue_id,
+                    op.due_ms,
+                    op.wire,
+                ]
             else:
                 args += ["R", op.msg_id, "", "", "", "", ""]
         return keys, args
@@ -237,8 +250,14 @@ class ScheduleStore:
         if not due_queues:
             return MoveResult(0, 0, int(head[0][1]) if head else None)
         queue_ids = [_text(q) for q in due_queues]
-        keys = [self.keys.heads, self.keys.live, self.keys.payloads, self.keys.stream,
-                self.keys.progress, *(self.keys.queue(q) for q in queue_ids)]
+        keys = [
+            self.keys.heads,
+            self.keys.live,
+            self.keys.payloads,
+            self.keys.stream,
+            self.keys.progress,
+            *(self.keys.queue(q) for q in queue_ids),
+        ]
         moved, dropped, next_due = self._move(keys=keys, args=[now_ms, budget, *queue_ids])
         nxt = _text(next_due)
         return MoveResult(int(moved), int(dropped), int(float(nxt)) if nxt else None)
@@ -299,8 +318,16 @@ class ScheduleStore:
     def purge(self) -> int:
         """Delete every key of the group (before a forced rebuild); returns keys deleted."""
         queues = [_text(q) for q in self.client.zrange(self.keys.heads, 0, -1)]
-        names = [self.keys.cursor, self.keys.live, self.keys.payloads, self.keys.heads,
-                 self.keys.stream, self.keys.progress, *(self.keys.queue(q) for q in queues)]
-        scanned = {_text(k) for k in self.client.scan_iter(match=f"{self.keys.prefix}:*",
-                                                            count=1000)}
+        names = [
+            self.keys.cursor,
+            self.keys.live,
+            self.keys.payloads,
+            self.keys.heads,
+            self.keys.stream,
+            self.keys.progress,
+            *(self.keys.queue(q) for q in queues),
+        ]
+        scanned = {
+            _text(k) for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000)
+        }
         return int(self.client.delete(*sorted(set(names) | scanned)))

@@ -26,9 +26,7 @@ _SCHEDULE_ONLY = (
 )
 
 
-def message_timeup(
-    message: MessageExt, *, queue_offset: int, store_timestamp: int
-) -> MessageExt:
+def message_timeup(message: MessageExt, *, queue_offset: int, store_timestamp: int) -> MessageExt:
     """The scheduled message as it lands in its real topic (``ScheduleMessageService``)."""
     props = message.properties
     topic = props.get(MessageConst.PROPERTY_REAL_TOPIC) or message.topic
@@ -111,8 +109,12 @@ class RetryTopic:
 
     def _read(self, consumer: str, count: int, block_ms: int | None) -> list[MessageExt]:
         reclaimed: list[Any] = self.client.xautoclaim(
-            self.key, self.group, consumer, min_idle_time=self.reclaim_idle_ms,
-            start_id="0-0", count=count,
+            self.key,
+            self.group,
+            consumer,
+            min_idle_time=self.reclaim_idle_ms,
+            start_id="0-0",
+            count=count,
         )
         messages = self.entries_to_messages(reclaimed[1])
         if len(messages) >= count:
@@ -129,8 +131,9 @@ class RetryTopic:
 
     def range(self, after: str, until: str = "+", count: int | None = None) -> list[MessageExt]:
         """Messages with stream ids in ``(after, until]`` (``after="0-0"``: from the start)."""
-        entries = self.client.xrange(self.key, min=f"({after}" if after != "0-0" else "-",
-                                     max=until, count=count)
+        entries = self.client.xrange(
+            self.key, min=f"({after}" if after != "0-0" else "-", max=until, count=count
+        )
         return self.entries_to_messages(entries)
 
     def ack(self, messages: Sequence[MessageExt]) -> int:

@@ -18,13 +18,11 @@ from typing import cast
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
 
 from idem.clock import Clock
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import StoreUnavailable
-from idem.ledger.schema import datetime_of_ms
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
@@ -276,12 +274,12 @@ class BatchRun:
         completed = [i for i, c in claim.duplicates.items() if c is DuplicateCause.COMPLETED]
         if not completed:
             return 0
-        mine = committed_by(
-            self.dedup.config.resolved_ledger_path,
-            self.owner,
-            since_ms=self.clock.now_ms() - self.dedup.config.dedup_window_ms,
-        )
-        self._applied_before = [i for i in completed if claim.keys[i] in mine]
+        since = self.clock.now_ms() - self.dedup.config.dedup_window_ms
+        keys = _keys_at(claim.keys, completed)  # completed keys are never None
+        owners = self.dedup.ledger.owners(keys, since_ms=since)
+        self._applied_before = [
+            i for i, key in zip(completed, keys, strict=True) if owners.get(key) == self.owner
+        ]
         return len(self._applied_before)
 
     # -- step 5 --------------------------------------------------------------------------------
@@ -438,19 +436,6 @@ class BatchRun:
             commit_replayed=bool(self.commit_result and self.commit_result.replayed),
             timings=dict(timings or {}),
         )
-
-
-def committed_by(ledger_path: str, owner: str, *, since_ms: int) -> set[str]:
-    """Keys the ledger at ``ledger_path`` holds from ``owner`` (read only on a replay)."""
-    if not DeltaTable.is_deltatable(ledger_path):
-        return set()
-    since = datetime_of_ms(since_ms).date()
-    dataset = DeltaTable(ledger_path).to_pyarrow_dataset()
-    table = dataset.to_table(
-        columns=["key"],
-        filter=(pc.field("owner") == owner) & (pc.field("completed_date") >= since),
-    )
-    return {str(k) for k in table.column("key").to_pylist()}
 
 
 def _keys_at(keys: Sequence[str | None], indices: Sequence[int]) -> tuple[str, ...]:

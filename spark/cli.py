@@ -308,9 +308,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     commands = dlq.add_subparsers(dest="dlq_command", metavar="COMMAND", required=True)
     ls = commands.add_parser("ls", help="list dead letters, newest first")
     _add_config_options(ls)
-    ls.add_argument(
-        "--status", default="dead", choices=["dead", "replayed", "discarded", "all"]
-    )
+    ls.add_argument("--status", default="dead", choices=["dead", "replayed", "discarded", "all"])
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     ls.set_defaults(func=_guarded(_dlq_ls))

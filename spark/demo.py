@@ -27,6 +27,7 @@ from deltalake import DeltaTable
 
 from idem.config import IdemConfig
 from idem.delay_levels import DelayLevels
+from idem.ledger import read_table
 from idem.redis_server import RedisServer, free_port, redis_server_binary
 from idem.retry.dlq import DeadLetterStatus
 from idem.spark.demo_data import (
@@ -44,7 +45,6 @@ from idem.spark.session import local_session
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-
 
 
 @dataclass(frozen=True)
@@ -218,9 +218,7 @@ def run_demo(
                 report = pipeline.run()
             check = sink_check(sink_path)
             sink_keys = frozenset(_sink_keys(sink_path)) if check else frozenset()
-            dlq_keys = tuple(
-                d.key for d in pipeline.engine.dlq.list(status=DeadLetterStatus.DEAD)
-            )
+            dlq_keys = tuple(d.key for d in pipeline.engine.dlq.list(status=DeadLetterStatus.DEAD))
         finally:
             pipeline.close()
     result = DemoResult(
@@ -236,7 +234,7 @@ def run_demo(
 
 
 def _sink_keys(path: str) -> list[str]:
-    keys = DeltaTable(path).to_pyarrow_table(columns=["key"]).column("key")
+    keys = read_table(DeltaTable(path), ["key"]).column("key")
     return [str(k) for k in keys.to_pylist()]
 
 

@@ -104,9 +104,7 @@ def select(engine: RetryEngine, selection: Selection) -> tuple[list[DeadLetter],
 def replay_message(letter: DeadLetter, *, by: str, at_ms: int) -> MessageExt:
     """The message a replay sends: the dead one, ``reconsume_times`` reset, who/when stamped."""
     message = letter.to_message().evolve(reconsume_times=0)
-    return message.with_properties(
-        **{REPLAYED_BY_PROPERTY: by, REPLAYED_AT_PROPERTY: str(at_ms)}
-    )
+    return message.with_properties(**{REPLAYED_BY_PROPERTY: by, REPLAYED_AT_PROPERTY: str(at_ms)})
 
 
 def replay(
@@ -137,9 +135,9 @@ def replay(
                 f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
             )
         marked += engine.dlq.mark_replayed(chunk, at_ms=now, by=by)
-        StatsStore(
-            engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms
-        ).add("dlq_replayed", len(chunk))
+        StatsStore(engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms).add(
+            "dlq_replayed", len(chunk)
+        )
         if progress is not None:
             progress(min(start + len(chunk), total), total)
     return ReplayResult(

@@ -32,6 +32,7 @@ from pyspark.sql.types import StructType
 
 from idem.config import IdemConfig
 from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.ledger import read_table
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, SinkFunction
@@ -206,7 +207,7 @@ def sink_check(path: str) -> SinkCheck | None:
     """Count rows and distinct keys of a Delta sink table (``None`` if it does not exist)."""
     if not DeltaTable.is_deltatable(path):
         return None
-    keys = DeltaTable(path).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
+    keys = read_table(DeltaTable(path), ["key"]).column("key").to_pylist()
     counts: dict[str, int] = {}
     for k in keys:
         counts[k] = counts.get(k, 0) + 1

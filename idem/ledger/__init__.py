@@ -1,5 +1,6 @@
 """The durable Delta ledger of the dedup layer: one row per completed key."""
 
+from idem.ledger._sql import read_table
 from idem.ledger.base import (
     ChangedKeys,
     CommitResult,
@@ -25,5 +26,6 @@ __all__ = [
     "conform",
     "make_rows",
     "open_ledger",
+    "read_table",
     "spark_delta_session",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import pyarrow as pa
@@ -91,10 +91,25 @@ def earliest_by_key(rows: pa.Table) -> dict[str, str | None]:
     )
 
 
+def read_table(table: DeltaTable, columns: Sequence[str] | None = None) -> pa.Table:
+    """The whole of ``table`` (only ``columns``), read by DataFusion.
+
+    Not ``DeltaTable.to_pyarrow_table``: its pyarrow dataset over a Python
+    filesystem can abort the interpreter at exit (delta-rs #2184, arrow #34314).
+    """
+    projection = ", ".join(f'"{c}"' for c in columns) if columns else "*"
+    return run(table, f"SELECT {projection} FROM ledger")  # noqa: S608 (names from idem itself)
+
+
 def plain_strings(table: pa.Table) -> pa.Table:
-    """DataFusion answers ``string_view``; the rest of idem speaks ``string``."""
-    fields = [
-        pa.field(f.name, pa.string(), f.nullable) if pa.types.is_string_view(f.type) else f
-        for f in table.schema
-    ]
+    """DataFusion answers ``string_view``/``binary_view``; idem speaks the plain types."""
+    fields = [_plain(f) for f in table.schema]
     return table.cast(pa.schema(fields))
+
+
+def _plain(f: pa.Field) -> pa.Field:
+    if pa.types.is_string_view(f.type):
+        return pa.field(f.name, pa.string(), f.nullable)
+    if pa.types.is_binary_view(f.type):
+        return pa.field(f.name, pa.binary(), f.nullable)
+    return f

@@ -128,6 +128,10 @@ class Ledger(Protocol):
         """``key -> result JSON`` (``None`` when no result was kept) of the keys present."""
         ...
 
+    def owners(self, keys: Iterable[str], *, since_ms: int | None = None) -> dict[str, str]:
+        """``key -> owner`` (who committed it) of the keys present."""
+        ...
+
     def audit(self, *, since_ms: int | None = None) -> list[tuple[str, int]]:
         """Keys present more than once, with their counts, sorted by key."""
         ...

@@ -351,6 +351,10 @@ class DeltaLedger:
         """``key -> result JSON`` of the keys present (``None`` when none was kept)."""
         return self._probe(keys, since_ms, "result")
 
+    def owners(self, keys: Iterable[str], *, since_ms: int | None = None) -> dict[str, str]:
+        """``key -> owner`` of the keys present (a replayed batch finds its own commits)."""
+        return {k: v or "" for k, v in self._probe(keys, since_ms, "owner").items()}
+
     def _probe(
         self, keys: Iterable[str], since_ms: int | None, column: str
     ) -> dict[str, str | None]:

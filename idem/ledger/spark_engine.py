@@ -250,6 +250,10 @@ class SparkDeltaLedger:
         """``key -> result JSON`` of keys present."""
         return self._lookup(keys, since_ms, "result")
 
+    def owners(self, keys: Iterable[str], *, since_ms: int | None = None) -> dict[str, str]:
+        """``key -> owner`` of keys present."""
+        return {k: v or "" for k, v in self._lookup(keys, since_ms, "owner").items()}
+
     def audit(self, *, since_ms: int | None = None) -> list[tuple[str, int]]:
         """Keys present more than once, with counts."""
         if not self._exists():

@@ -103,13 +103,15 @@ class ConcurrentlyService:
             except RuntimeError:  # shut down
                 return
 
-    def submit_later(self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue,
-                     delay_ms: int) -> None:
+    def submit_later(
+        self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue, delay_ms: int
+    ) -> None:
         """Consume ``messages`` again after ``delay_ms`` (``submitConsumeRequestLater``)."""
         batch = list(messages)
         self.rt.stats.add(resubmitted=len(batch))
-        self.rt.scheduler.schedule(delay_ms, lambda: self.submit(batch, pq, mq),
-                                   name="submit-later")
+        self.rt.scheduler.schedule(
+            delay_ms, lambda: self.submit(batch, pq, mq), name="submit-later"
+        )
 
     # -- one request ---------------------------------------------------------------------
 
@@ -125,8 +127,9 @@ class ConcurrentlyService:
                 self._running -= 1
                 self._idle.notify_all()
 
-    def _consume_request(self, messages: list[MessageExt], pq: ProcessQueue,
-                         mq: MessageQueue) -> None:
+    def _consume_request(
+        self, messages: list[MessageExt], pq: ProcessQueue, mq: MessageQueue
+    ) -> None:
         if pq.dropped:
             log.info("the message queue %s cannot be consumed: it was dropped", mq)
             return
@@ -138,32 +141,46 @@ class ConcurrentlyService:
         result = self.rt.build_chain(mq, orderly=False)(messages)
         if pq.dropped:
             self.rt.stats.add(dropped_results=len(messages))
-            log.warning("%s: %s was dropped while consuming; %d result(s) not committed",
-                        self.rt.client_id, mq, len(messages))
+            log.warning(
+                "%s: %s was dropped while consuming; %d result(s) not committed",
+                self.rt.client_id,
+                mq,
+                len(messages),
+            )
             return
         self.process_consume_result(messages, result, pq, mq)
 
-    def process_consume_result(self, messages: Sequence[MessageExt], result: BatchResult,
-                               pq: ProcessQueue, mq: MessageQueue) -> None:
+    def process_consume_result(
+        self,
+        messages: Sequence[MessageExt],
+        result: BatchResult,
+        pq: ProcessQueue,
+        mq: MessageQueue,
+    ) -> None:
         """Send back or drop the failures, remove the rest, move the offset.
 
         Acknowledgements still *pending* (:class:`~idem.retry.consumer.listener.Deferred`,
         e.g. a group-committed ledger write) keep their offsets back: they are settled
         when the deferral resolves, or handled as failures if it fails.
         """
-        pending = {i: d for i, d in result.pending.items()
-                   if i not in result.failed and i not in result.dead}
+        pending = {
+            i: d
+            for i, d in result.pending.items()
+            if i not in result.failed and i not in result.dead
+        }
         acked = [messages[i] for i in result.acked if i not in pending]
         failed = [messages[i] for i in sorted(result.failed)]
         self.rt.stats.add(consumed_ok=len(acked) + len(pending), consume_failed=len(failed))
         keep: list[MessageExt] = []
         if self.rt.broadcasting:
             keep = [messages[i] for i, f in sorted(result.failed.items()) if f.transient]
-            dropped = sorted({i for i, f in result.failed.items() if not f.transient}
-                             | set(result.dead))
+            dropped = sorted(
+                {i for i, f in result.failed.items() if not f.transient} | set(result.dead)
+            )
             for i in dropped:
-                log.warning("BROADCASTING, the message consume failed, drop it: %s",
-                            messages[i].msg_id)
+                log.warning(
+                    "BROADCASTING, the message consume failed, drop it: %s", messages[i].msg_id
+                )
             self.rt.stats.add(broadcast_dropped=len(dropped))
         else:
             keep = self._send_back(messages, result)
@@ -182,22 +199,32 @@ class ConcurrentlyService:
             self.rt.ack_retried(acked)
         if keep:
             busy = {messages[i].msg_id for i, f in result.failed.items() if not f.counts}
-            again = [m if m.msg_id in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
-                     for m in keep]
+            again = [
+                m if m.msg_id in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
+                for m in keep
+            ]
             self.submit_later(again, pq, mq, self._resubmit_delay_ms())
         for deferred, batch in by_deferral.values():
             deferred.on_resolved(functools.partial(self._settled, batch, pq=pq, mq=mq))
 
-    def _settled(self, messages: list[MessageExt], failure: Failure | None, *, pq: ProcessQueue,
-                 mq: MessageQueue) -> None:
+    def _settled(
+        self,
+        messages: list[MessageExt],
+        failure: Failure | None,
+        *,
+        pq: ProcessQueue,
+        mq: MessageQueue,
+    ) -> None:
         """A deferred acknowledgement resolved: move the offset, or handle a failure."""
         if failure is not None:
             back = pq.restore(messages)
             if back and not pq.dropped:
                 self.rt.stats.add(consumed_ok=-len(back))
                 self.process_consume_result(
-                    back, BatchResult(len(back), failed=dict.fromkeys(range(len(back)), failure)),
-                    pq, mq,
+                    back,
+                    BatchResult(len(back), failed=dict.fromkeys(range(len(back)), failure)),
+                    pq,
+                    mq,
                 )
             return
         offset = pq.settle(messages)
@@ -235,9 +262,14 @@ class ConcurrentlyService:
             self.rt.stats.add(sent_back=len(batch))
         return keep
 
-    def _call_engine(self, batch: Sequence[MessageExt], level: int,
-                     errors: dict[str, str | BaseException], *,
-                     counts: bool = True) -> list[MessageExt]:
+    def _call_engine(
+        self,
+        batch: Sequence[MessageExt],
+        level: int,
+        errors: dict[str, str | BaseException],
+        *,
+        counts: bool = True,
+    ) -> list[MessageExt]:
         engine = self.rt.engine
         assert engine is not None
         try:
@@ -246,8 +278,11 @@ class ConcurrentlyService:
             else:  # busy: not a failure, reconsume_times is kept
                 outcome = engine.send_back_busy(batch, delay_level=level or BUSY_DELAY_LEVEL)
         except Exception:
-            log.exception("%s: send-back of %d message(s) failed; consuming them again later",
-                          self.rt.client_id, len(batch))
+            log.exception(
+                "%s: send-back of %d message(s) failed; consuming them again later",
+                self.rt.client_id,
+                len(batch),
+            )
             return list(batch)
         unplaced = _unplaced(outcome)
         return [m for m in batch if m.msg_id in unplaced]
@@ -268,10 +303,14 @@ class ConcurrentlyService:
             engine = self.rt.engine
             assert engine is not None
             try:
-                outcome = engine.send_back(messages, delay_level=TIMEOUT_DELAY_LEVEL, errors={
-                    m.msg_id: f"consume timeout ({self.rt.consume_timeout_ms} ms)"
-                    for m in messages
-                })
+                outcome = engine.send_back(
+                    messages,
+                    delay_level=TIMEOUT_DELAY_LEVEL,
+                    errors={
+                        m.msg_id: f"consume timeout ({self.rt.consume_timeout_ms} ms)"
+                        for m in messages
+                    },
+                )
                 unplaced = _unplaced(outcome)
             except Exception:
                 log.exception("send-back of %d expired message(s) failed", len(messages))
@@ -287,8 +326,12 @@ class ConcurrentlyService:
                 e.pq.mark_consume_start([e.message], e.started_ms)
         for mq, (pq, expired) in by_queue.items():
             self.rt.stats.add(expired=len(expired))
-            log.warning("%s: %d message(s) of %s exceeded the consume timeout; sent back",
-                        self.rt.client_id, len(expired), mq)
+            log.warning(
+                "%s: %d message(s) of %s exceeded the consume timeout; sent back",
+                self.rt.client_id,
+                len(expired),
+                mq,
+            )
             offset = pq.remove_messages(expired)
             if offset >= 0:
                 self.rt.commit_offset(mq, pq, offset, increase_only=True)

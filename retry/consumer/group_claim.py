@@ -48,14 +48,18 @@ def slice_claim(claim: BatchClaim, start: int, size: int) -> BatchClaim:
         fresh=rows(claim.fresh),
         duplicates={i - start: c for i, c in claim.duplicates.items() if start <= i < end},
         busy=rows(claim.busy),
-        invalid=tuple(Invalid(bad.index - start, bad.field, bad.reason, bad.message)
-                      for bad in claim.invalid if start <= bad.index < end),
+        invalid=tuple(
+            Invalid(bad.index - start, bad.field, bad.reason, bad.message)
+            for bad in claim.invalid
+            if start <= bad.index < end
+        ),
         mismatched=rows(claim.mismatched),
         retaken=rows(claim.retaken),
         ledger_version=claim.ledger_version,
         reclaimed=rows(claim.reclaimed),
-        stored_fingerprints={i - start: f for i, f in claim.stored_fingerprints.items()
-                             if start <= i < end},
+        stored_fingerprints={
+            i - start: f for i, f in claim.stored_fingerprints.items() if start <= i < end
+        },
     )
 
 
@@ -72,8 +76,9 @@ class GroupClaimer:
         self._queue: list[_Request] = []
         self._leading = False
 
-    def claim(self, keys: Sequence[object], *, fingerprints: Sequence[str],
-              order: Sequence[int]) -> BatchClaim:
+    def claim(
+        self, keys: Sequence[object], *, fingerprints: Sequence[str], order: Sequence[int]
+    ) -> BatchClaim:
         """``Dedup.begin`` for one call's rows (shared with the calls claiming meanwhile)."""
         request = _Request(keys, fingerprints, order)
         with self._cond:
@@ -106,8 +111,9 @@ class GroupClaimer:
             prints += request.fingerprints
             order += [base + i for i in request.order]
         try:
-            claim = self.dedup.begin(keys, owner=self.owner, fingerprints=prints, order=order,
-                                     field=self.field)
+            claim = self.dedup.begin(
+                keys, owner=self.owner, fingerprints=prints, order=order, field=self.field
+            )
         except Exception as exc:
             for request in batch:
                 request.error, request.done = exc, True

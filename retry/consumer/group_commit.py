@@ -129,8 +129,13 @@ class GroupCommitter:
         """
         size = len(item.keys)
         with self._cond:
-            self._cond.wait_for(lambda: self._pending_keys + size <= self.max_pending_keys
-                                or self._pending_keys == 0 or self._closed)
+            self._cond.wait_for(
+                lambda: (
+                    self._pending_keys + size <= self.max_pending_keys
+                    or self._pending_keys == 0
+                    or self._closed
+                )
+            )
             if self._closed:
                 raise RuntimeError("the group committer is closed")
             if not self._queue:
@@ -139,8 +144,9 @@ class GroupCommitter:
             self._queued_keys += size
             self._pending_keys += size
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"idem-commit-{self.owner[-8:]}")
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True, name=f"idem-commit-{self.owner[-8:]}"
+                )
                 self._thread.start()
             self._cond.notify_all()
         return item.deferred
@@ -187,8 +193,12 @@ class GroupCommitter:
                     return None
             while True:
                 wait = self._oldest + self.interval_ms / 1000 - time.monotonic()
-                if (wait <= 0 or self._flushing or self._closed
-                        or self._queued_keys >= self.max_keys):
+                if (
+                    wait <= 0
+                    or self._flushing
+                    or self._closed
+                    or self._queued_keys >= self.max_keys
+                ):
                     break
                 self._cond.wait(wait)
             batch: list[CommitItem] = []
@@ -218,15 +228,24 @@ class GroupCommitter:
         keys = [k for item in batch for k in item.keys]
         prints = [f for item in batch for f in item.prints]
         messages = [m for item in batch for m in item.messages]
-        claim = BatchClaim(owner=self.owner, keys=tuple(keys), fingerprints=tuple(prints),
-                           fresh=tuple(range(len(keys))), duplicates={}, busy=(), invalid=())
-        meta = pa.table({
-            "msg_id": pa.array([m.msg_id for m in messages], pa.string()),
-            "origin_msg_id": pa.array([m.origin_msg_id for m in messages], pa.string()),
-            "topic": pa.array([m.topic for m in messages], pa.string()),
-            "queue_id": pa.array([m.queue_id for m in messages], pa.int32()),
-            "queue_offset": pa.array([m.queue_offset for m in messages], pa.int64()),
-        })
+        claim = BatchClaim(
+            owner=self.owner,
+            keys=tuple(keys),
+            fingerprints=tuple(prints),
+            fresh=tuple(range(len(keys))),
+            duplicates={},
+            busy=(),
+            invalid=(),
+        )
+        meta = pa.table(
+            {
+                "msg_id": pa.array([m.msg_id for m in messages], pa.string()),
+                "origin_msg_id": pa.array([m.origin_msg_id for m in messages], pa.string()),
+                "topic": pa.array([m.topic for m in messages], pa.string()),
+                "queue_id": pa.array([m.queue_id for m in messages], pa.int32()),
+                "queue_offset": pa.array([m.queue_offset for m in messages], pa.int64()),
+            }
+        )
         seq, self._seq = self._seq, self._seq + 1
         error: BaseException | None = None
         for attempt in range(self.attempts):
@@ -236,8 +255,13 @@ class GroupCommitter:
                 outcome = self.dedup.complete(claim, batch_id=seq, app_id=self.app_id, meta=meta)
             except Exception as exc:
                 error = exc
-                log.warning("group commit %d (%d keys), attempt %d failed: %s", seq, len(keys),
-                            attempt + 1, exc)
+                log.warning(
+                    "group commit %d (%d keys), attempt %d failed: %s",
+                    seq,
+                    len(keys),
+                    attempt + 1,
+                    exc,
+                )
             else:
                 self.commits += 1
                 if self.on_commit is not None:
@@ -250,9 +274,10 @@ class GroupCommitter:
                 if locked:
                     self._release()
             if attempt + 1 < self.attempts:
-                time.sleep(0.1 * 2 ** attempt)
-        log.warning("completing %d key(s) failed; they will be consumed again", len(keys),
-                    exc_info=error)
+                time.sleep(0.1 * 2**attempt)
+        log.warning(
+            "completing %d key(s) failed; they will be consumed again", len(keys), exc_info=error
+        )
         for item in batch:
             item.deferred.resolve(Failure(f"dedup commit failed: {error}", transient=True))
 
@@ -271,8 +296,7 @@ class GroupCommitter:
                 return False  # Redis is away: commit anyway, Delta arbitrates
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
-        log.warning("ledger commit lock not acquired in %d ms; committing anyway",
-                    self.lock_ttl_ms)
+        log.warning("ledger commit lock not acquired in %d ms; committing anyway", self.lock_ttl_ms)
         return False
 
     def _release(self) -> None:

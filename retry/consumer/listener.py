@@ -169,8 +169,11 @@ class BatchResult:
         """Orderly: success acks the batch; a suspend fails all of it (retried in place)."""
         if status is ConsumeOrderlyStatus.SUCCESS:
             return cls(size)
-        return cls(size, failed=dict.fromkeys(range(size), Failure(reason)),
-                   suspend_ms=context.suspend_current_queue_time_millis)
+        return cls(
+            size,
+            failed=dict.fromkeys(range(size), Failure(reason)),
+            suspend_ms=context.suspend_current_queue_time_millis,
+        )
 
     def subset(self, indices: Sequence[int], size: int) -> BatchResult:
         """This result mapped into a larger call where message ``k`` was ``indices[k]``."""
@@ -213,15 +216,19 @@ def chain(middleware: Sequence[Middleware], terminal: CallNext, scope: ConsumeSc
     """``terminal`` wrapped by ``middleware`` (the first one outermost)."""
     call = terminal
     for layer in reversed(middleware):
-        def bound(messages: Sequence[MessageExt], _layer: Middleware = layer,
-                  _next: CallNext = call) -> BatchResult:
+
+        def bound(
+            messages: Sequence[MessageExt], _layer: Middleware = layer, _next: CallNext = call
+        ) -> BatchResult:
             return _layer(messages, scope, _next)
+
         call = bound
     return call
 
 
-def invoke_concurrently(listener: MessageListenerConcurrently,
-                        messages: Sequence[MessageExt]) -> BatchResult:
+def invoke_concurrently(
+    listener: MessageListenerConcurrently, messages: Sequence[MessageExt]
+) -> BatchResult:
     """Call a concurrent listener; an exception or ``None`` means ``RECONSUME_LATER``."""
     if not messages:
         return BatchResult(0)
@@ -229,8 +236,11 @@ def invoke_concurrently(listener: MessageListenerConcurrently,
     reason = "RECONSUME_LATER"
     try:
         raw = listener(messages, context)
-        status = ConsumeConcurrentlyStatus(raw) if raw is not None else \
-            ConsumeConcurrentlyStatus.RECONSUME_LATER
+        status = (
+            ConsumeConcurrentlyStatus(raw)
+            if raw is not None
+            else ConsumeConcurrentlyStatus.RECONSUME_LATER
+        )
     except Exception as exc:  # the listener's own failure: logged, never propagated
         log.warning("listener failed on %d message(s)", len(messages), exc_info=True)
         status = ConsumeConcurrentlyStatus.RECONSUME_LATER
@@ -238,8 +248,7 @@ def invoke_concurrently(listener: MessageListenerConcurrently,
     return BatchResult.from_concurrently(len(messages), status, context, reason)
 
 
-def invoke_orderly(listener: MessageListenerOrderly,
-                   messages: Sequence[MessageExt]) -> BatchResult:
+def invoke_orderly(listener: MessageListenerOrderly, messages: Sequence[MessageExt]) -> BatchResult:
     """Call an orderly listener; an exception or ``None`` suspends the queue."""
     if not messages:
         return BatchResult(0)
@@ -247,8 +256,11 @@ def invoke_orderly(listener: MessageListenerOrderly,
     reason = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
     try:
         raw = listener(messages, context)
-        status = ConsumeOrderlyStatus(raw) if raw is not None else \
-            ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        status = (
+            ConsumeOrderlyStatus(raw)
+            if raw is not None
+            else ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        )
     except Exception as exc:
         log.warning("orderly listener failed on %d message(s)", len(messages), exc_info=True)
         status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
@@ -257,6 +269,7 @@ def invoke_orderly(listener: MessageListenerOrderly,
 
 
 # -- per-row marks ------------------------------------------------------------------------
+
 
 class DoneMarks:
     """Messages a listener reported as written, by msg id and queue offset."""
@@ -307,8 +320,12 @@ class DefaultMessageListenerConcurrently:
     :func:`mark_done`, which idem's dedup hook uses to complete it anyway.
     """
 
-    def __init__(self, handle_message: Callable[[MessageExt], object], *,
-                 delay_level_when_next_consume: int = 0) -> None:
+    def __init__(
+        self,
+        handle_message: Callable[[MessageExt], object],
+        *,
+        delay_level_when_next_consume: int = 0,
+    ) -> None:
         self.handle_message = handle_message
         self.delay_level_when_next_consume = delay_level_when_next_consume
 
@@ -319,9 +336,13 @@ class DefaultMessageListenerConcurrently:
             try:
                 self.handle_message(message)
             except Exception:
-                log.warning("consume message failed. msg_id=%s topic=%s reconsume_times=%d",
-                            message.msg_id, message.topic, message.reconsume_times,
-                            exc_info=True)
+                log.warning(
+                    "consume message failed. msg_id=%s topic=%s reconsume_times=%d",
+                    message.msg_id,
+                    message.topic,
+                    message.reconsume_times,
+                    exc_info=True,
+                )
                 context.delay_level_when_next_consume = self.delay_level_when_next_consume
                 return ConsumeConcurrentlyStatus.RECONSUME_LATER
             mark_done(message)

@@ -98,10 +98,10 @@ def key_getter(source: KeySource) -> Callable[[MessageExt], object]:
     if source in ("keys", "tags", "msg_id"):
         return lambda m: getattr(m, source)
     if source.startswith("property."):
-        name = source[len("property."):]
+        name = source[len("property.") :]
         return lambda m: m.properties.get(name)
     if source.startswith("body."):
-        path = source[len("body."):].split(".")
+        path = source[len("body.") :].split(".")
 
         def from_body(message: MessageExt) -> object:
             value: Any = json.loads(message.body)
@@ -133,8 +133,17 @@ class DuplicateRecord:
     @classmethod
     def of(cls, key: str, cause: str, message: MessageExt, client_id: str) -> DuplicateRecord:
         """Describe ``message``."""
-        return cls(key, cause, message.msg_id, message.origin_msg_id, message.topic,
-                   message.queue_id, message.queue_offset, message.reconsume_times, client_id)
+        return cls(
+            key,
+            cause,
+            message.msg_id,
+            message.origin_msg_id,
+            message.topic,
+            message.queue_id,
+            message.queue_offset,
+            message.reconsume_times,
+            client_id,
+        )
 
 
 @dataclass
@@ -195,8 +204,11 @@ class DedupMiddleware:
         self.stats = DedupStats()
         self.claimer = GroupClaimer(dedup, self.owner, field=self.field)
         self.committer = GroupCommitter(
-            dedup, self.owner, client=lock_client if commit_lock else None,
-            interval_ms=commit_interval_ms, max_keys=commit_max_keys,
+            dedup,
+            self.owner,
+            client=lock_client if commit_lock else None,
+            interval_ms=commit_interval_ms,
+            max_keys=commit_max_keys,
             max_pending_keys=max_pending_keys,
             on_commit=lambda _keys: self.stats.add(commits=1),
         )
@@ -212,8 +224,9 @@ class DedupMiddleware:
                 out.append(None)  # undecodable body: reported as a null key
         return out
 
-    def _reserve(self, raw: Sequence[object], order: Sequence[int]
-                 ) -> tuple[list[str | None], set[str], list[str]]:
+    def _reserve(
+        self, raw: Sequence[object], order: Sequence[int]
+    ) -> tuple[list[str | None], set[str], list[str]]:
         """Validate and reserve the keys in this instance.
 
         Returns each message's key (``None``: invalid), the keys another call of this
@@ -239,8 +252,9 @@ class DedupMiddleware:
                     reserved[key] = None
         return keys, held, list(reserved)
 
-    def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
-                 call_next: CallNext) -> BatchResult:
+    def __call__(
+        self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
+    ) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
         size = len(messages)
         order = sorted(range(size), key=lambda i: precedence(messages[i]))
@@ -263,8 +277,9 @@ class DedupMiddleware:
                 return result
             self._classify(messages, scope, raw, claim, here=here, result=result)
             if claim.fresh:
-                kept = self._run_fresh(messages, scope, claim, here=here, call_next=call_next,
-                                      result=result)
+                kept = self._run_fresh(
+                    messages, scope, claim, here=here, call_next=call_next, result=result
+                )
             return result
         finally:
             self._unreserve(k for k in reserved if k not in kept)
@@ -277,8 +292,9 @@ class DedupMiddleware:
         """Commit what is queued now and wait for it (a consumer's shutdown calls this)."""
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
 
-    def _split_held(self, keys: Sequence[str | None], held: set[str]
-                    ) -> tuple[BatchResult, list[int]]:
+    def _split_held(
+        self, keys: Sequence[str | None], held: set[str]
+    ) -> tuple[BatchResult, list[int]]:
         """Messages whose key another call of this instance holds are busy; the rest go on."""
         result = BatchResult(len(keys))
         here: list[int] = []
@@ -289,39 +305,59 @@ class DedupMiddleware:
                 here.append(i)
         return result, here
 
-    def _classify(self, messages: Sequence[MessageExt], scope: ConsumeScope,
-                  raw: Sequence[object], claim: BatchClaim, *, here: list[int],
-                  result: BatchResult) -> None:
+    def _classify(
+        self,
+        messages: Sequence[MessageExt],
+        scope: ConsumeScope,
+        raw: Sequence[object],
+        claim: BatchClaim,
+        *,
+        here: list[int],
+        result: BatchResult,
+    ) -> None:
         """Duplicates are acknowledged, busy keys sent back, bad keys dead-lettered."""
         size = len(messages)
         records: list[DuplicateRecord] = []
         for i in range(size):
             if i in result.failed:
-                records.append(DuplicateRecord.of(str(raw[i]), BUSY, messages[i],
-                                                  scope.client_id))
+                records.append(DuplicateRecord.of(str(raw[i]), BUSY, messages[i], scope.client_id))
         dead_mismatch = self.dedup.config.mismatch_policy is MismatchPolicy.DEAD_LETTER
         for k, cause in claim.duplicates.items():
             i = here[k]
             if dead_mismatch and k in claim.mismatched:
                 result.dead[i] = f"{self.field}: payload differs from the completed one"
-            records.append(DuplicateRecord.of(claim.keys[k] or "", cause.value, messages[i],
-                                              scope.client_id))
+            records.append(
+                DuplicateRecord.of(claim.keys[k] or "", cause.value, messages[i], scope.client_id)
+            )
         for k in claim.busy:
             i = here[k]
             result.failed[i] = self._busy("busy: key claimed by another consumer")
-            records.append(DuplicateRecord.of(claim.keys[k] or "", BUSY, messages[i],
-                                              scope.client_id))
+            records.append(
+                DuplicateRecord.of(claim.keys[k] or "", BUSY, messages[i], scope.client_id)
+            )
         for bad in claim.invalid:
             result.dead[here[bad.index]] = bad.message
-        self.stats.add(records, fresh=len(claim.fresh), invalid=len(claim.invalid),
-                       busy=sum(1 for r in records if r.cause == BUSY))
+        self.stats.add(
+            records,
+            fresh=len(claim.fresh),
+            invalid=len(claim.invalid),
+            busy=sum(1 for r in records if r.cause == BUSY),
+        )
 
     def _busy(self, reason: str) -> Failure:
         """A busy key: sent back after a short delay, not counted as a reconsume."""
         return Failure(reason, self.busy_delay_level, transient=True, counts=False)
 
-    def _run_fresh(self, messages: Sequence[MessageExt], scope: ConsumeScope, claim: BatchClaim,
-                   *, here: list[int], call_next: CallNext, result: BatchResult) -> set[str]:
+    def _run_fresh(
+        self,
+        messages: Sequence[MessageExt],
+        scope: ConsumeScope,
+        claim: BatchClaim,
+        *,
+        here: list[int],
+        call_next: CallNext,
+        result: BatchResult,
+    ) -> set[str]:
         """Consume the fresh messages; returns the keys left reserved for a pending commit."""
         fresh = [here[k] for k in claim.fresh]
         with collecting_marks() as marks:
@@ -329,8 +365,12 @@ class DedupMiddleware:
                 inner = call_next([messages[i] for i in fresh])
             except Exception as exc:
                 log.warning("consume call failed", exc_info=True)
-                inner = BatchResult(len(fresh), failed=dict.fromkeys(
-                    range(len(fresh)), Failure(f"{type(exc).__name__}: {exc}")))
+                inner = BatchResult(
+                    len(fresh),
+                    failed=dict.fromkeys(
+                        range(len(fresh)), Failure(f"{type(exc).__name__}: {exc}")
+                    ),
+                )
         mapped = inner.subset(fresh, result.size)
         result.failed.update(mapped.failed)
         result.dead.update(mapped.dead)
@@ -338,24 +378,30 @@ class DedupMiddleware:
         if marks.used:
             done_k = [k for k in claim.fresh if marks.is_done(messages[here[k]])]
         else:
-            done_k = [k for k in claim.fresh
-                      if here[k] not in mapped.failed and here[k] not in mapped.dead]
+            done_k = [
+                k
+                for k in claim.fresh
+                if here[k] not in mapped.failed and here[k] not in mapped.dead
+            ]
         done = set(done_k)
         release_k = [k for k in claim.fresh if k not in done]
         if release_k:
             self._release(claim, release_k)
         if not done_k:
             return set()
-        item = CommitItem(keys=[claim.keys[k] or "" for k in done_k],
-                          prints=[claim.fingerprints[k] for k in done_k],
-                          messages=[messages[here[k]] for k in done_k])
+        item = CommitItem(
+            keys=[claim.keys[k] or "" for k in done_k],
+            prints=[claim.fingerprints[k] for k in done_k],
+            messages=[messages[here[k]] for k in done_k],
+        )
         try:
             deferred = self.committer.submit(item)
         except Exception as exc:
             self._release(claim, done_k)
             for k in done_k:
-                result.failed.setdefault(here[k], Failure(f"dedup commit failed: {exc}",
-                                                          transient=True))
+                result.failed.setdefault(
+                    here[k], Failure(f"dedup commit failed: {exc}", transient=True)
+                )
             return set()
         deferred.on_resolved(lambda failure: self._committed(item, claim, done_k, failure))
         if scope.defer_acks and not scope.orderly:
@@ -369,17 +415,20 @@ class DedupMiddleware:
                 result.failed.setdefault(here[k], failure)
         return set()
 
-    def _committed(self, item: CommitItem, claim: BatchClaim, done_k: list[int],
-                   failure: Failure | None) -> None:
+    def _committed(
+        self, item: CommitItem, claim: BatchClaim, done_k: list[int], failure: Failure | None
+    ) -> None:
         """A group commit resolved: count it, or give the claims back; end the reservation."""
         try:
             if failure is not None or item.outcome is None:
                 self._release(claim, done_k)
                 return
             slipped = set(item.outcome.slipped)
-            records = [DuplicateRecord.of(key, "slipped", message, "")
-                       for key, message in zip(item.keys, item.messages, strict=True)
-                       if key in slipped]
+            records = [
+                DuplicateRecord.of(key, "slipped", message, "")
+                for key, message in zip(item.keys, item.messages, strict=True)
+                if key in slipped
+            ]
             self.stats.add(records, completed=len(item.keys), slipped=len(records))
         finally:
             self._unreserve(item.keys)
@@ -388,8 +437,9 @@ class DedupMiddleware:
         try:
             self.dedup.release(claim, indices)
         except Exception:
-            log.warning("releasing %d claim(s) failed; their lease will expire",
-                        len(indices), exc_info=True)
+            log.warning(
+                "releasing %d claim(s) failed; their lease will expire", len(indices), exc_info=True
+            )
         self.stats.add(released=len(indices))
 
     def listener(self, fn: Callable[..., Any]) -> ExactlyOnceListener:
@@ -408,8 +458,9 @@ class ExactlyOnceListener:
         return self.listener(messages, context)
 
 
-def exactly_once(dedup: Dedup, *, key: KeySource = "keys", **options: Any
-                 ) -> Callable[[Callable[..., Any]], ExactlyOnceListener]:
+def exactly_once(
+    dedup: Dedup, *, key: KeySource = "keys", **options: Any
+) -> Callable[[Callable[..., Any]], ExactlyOnceListener]:
     """Decorate a listener so it runs exactly once per business key (``key``)."""
     middleware = DedupMiddleware(dedup, key=key, **options)
     return middleware.listener

@@ -138,8 +138,10 @@ class RemoteOffsetStore(_MemoryTable):
     def stored(self) -> dict[MessageQueue, int]:
         """Every offset the store holds for the group (tools, tests)."""
         raw: Mapping[Any, Any] = self.client.hgetall(self.key)
-        return {MessageQueue.parse(k.decode() if isinstance(k, bytes) else k): int(v)
-                for k, v in raw.items()}
+        return {
+            MessageQueue.parse(k.decode() if isinstance(k, bytes) else k): int(v)
+            for k, v in raw.items()
+        }
 
 
 class LocalFileOffsetStore(_MemoryTable):
@@ -195,8 +197,9 @@ class LocalFileOffsetStore(_MemoryTable):
         del mqs  # the file holds the whole table, as RocketMQ's does
         table = self.items()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"offsetTable": {str(mq): o for mq, o in sorted(table.items())}},
-                          indent=1)
+        text = json.dumps(
+            {"offsetTable": {str(mq): o for mq, o in sorted(table.items())}}, indent=1
+        )
         with self._file_lock:
             if self.path.exists():
                 self.path.replace(self.backup)

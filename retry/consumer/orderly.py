@@ -64,8 +64,9 @@ class QueueLocks:
         wanted = sorted(set(mqs))
         if not wanted:
             return set()
-        reply = self._lock(keys=[lock_key(self.group, mq) for mq in wanted],
-                           args=[self.client_id, self.ttl_ms])
+        reply = self._lock(
+            keys=[lock_key(self.group, mq) for mq in wanted], args=[self.client_id, self.ttl_ms]
+        )
         return {mq for mq, held in zip(wanted, reply, strict=True) if int(held) == 1}
 
     def unlock(self, mqs: Iterable[MessageQueue]) -> int:
@@ -173,8 +174,9 @@ class OrderlyService:
             began = time.monotonic()
             while not pq.dropped:
                 now = self.rt.clock.now_ms()
-                if self.locks is not None and (not pq.locked or pq.is_lock_expired(
-                        now, settings.effective_lock_ttl_ms)):
+                if self.locks is not None and (
+                    not pq.locked or pq.is_lock_expired(now, settings.effective_lock_ttl_ms)
+                ):
                     self._later(pq, mq, LOCK_RETRY_LATER_MS)  # tryLockLaterAndReconsume
                     return
                 if (time.monotonic() - began) * 1000 > MAX_TIME_CONSUME_CONTINUOUSLY_MS:
@@ -190,8 +192,13 @@ class OrderlyService:
                 if not self.process_consume_result(messages, result, pq, mq):
                     return
 
-    def process_consume_result(self, messages: Sequence[MessageExt], result: BatchResult,
-                               pq: ProcessQueue, mq: MessageQueue) -> bool:
+    def process_consume_result(
+        self,
+        messages: Sequence[MessageExt],
+        result: BatchResult,
+        pq: ProcessQueue,
+        mq: MessageQueue,
+    ) -> bool:
         """Commit, or suspend and retry in place, or dead-letter; returns "continue consuming"."""
         if result.ok:
             self.rt.stats.add(consumed_ok=len(messages))
@@ -208,8 +215,11 @@ class OrderlyService:
                     self.rt.commit_offset(mq, pq, offset, increase_only=False)
                 return True
         self.rt.stats.add(consume_failed=len(messages))
-        suspend_ms = result.suspend_ms if result.suspend_ms >= 0 else \
-            self.rt.settings.suspend_current_queue_time_millis
+        suspend_ms = (
+            result.suspend_ms
+            if result.suspend_ms >= 0
+            else self.rt.settings.suspend_current_queue_time_millis
+        )
         if not result.dead and not any(f.counts for f in result.failed.values()):
             # only busy keys: try again in place without counting a reconsume
             self.rt.stats.add(suspended=1)
@@ -218,7 +228,9 @@ class OrderlyService:
             return False
         context = ConsumeOrderlyContext(suspend_current_queue_time_millis=suspend_ms)
         outcome = orderly_outcome(
-            messages, ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT, context,
+            messages,
+            ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT,
+            context,
             max_reconsume_times=self.rt.max_reconsume_times,
         )
         retry = list(outcome.retry)
@@ -235,15 +247,21 @@ class OrderlyService:
             self.rt.commit_offset(mq, pq, offset, increase_only=False)
         return True
 
-    def _dead_letter(self, dead: Sequence[MessageExt], result: BatchResult,
-                     messages: Sequence[MessageExt]) -> bool:
+    def _dead_letter(
+        self, dead: Sequence[MessageExt], result: BatchResult, messages: Sequence[MessageExt]
+    ) -> bool:
         if self.rt.broadcasting or self.rt.engine is None:
             log.warning("orderly: %d message(s) reached max reconsume times; dropped", len(dead))
             self.rt.stats.add(broadcast_dropped=len(dead))
             return True
-        reasons = {m.msg_id: (result.failed[i].reason if i in result.failed else
-                              result.dead.get(i, "max reconsume times reached"))
-                   for i, m in enumerate(messages)}
+        reasons = {
+            m.msg_id: (
+                result.failed[i].reason
+                if i in result.failed
+                else result.dead.get(i, "max reconsume times reached")
+            )
+            for i, m in enumerate(messages)
+        }
         try:
             outcome = self.rt.engine.dead_letter(
                 dead, errors={m.msg_id: reasons.get(m.msg_id, "") for m in dead}

@@ -111,8 +111,11 @@ class ProcessQueue:
         with self._lock:
             for message in messages:
                 offset = message.queue_offset
-                if offset in self._messages or offset in self._consuming \
-                        or offset in self._awaiting:
+                if (
+                    offset in self._messages
+                    or offset in self._consuming
+                    or offset in self._awaiting
+                ):
                     continue
                 bisect.insort(self._offsets, offset)
                 self._messages[offset] = message
@@ -309,6 +312,8 @@ class ProcessQueue:
             self._size = 0
 
     def __repr__(self) -> str:
-        return (f"ProcessQueue({self.mq}, cached={self.msg_count}, "
-                f"awaiting={self.awaiting_count}, next={self.next_offset}, "
-                f"dropped={self.dropped})")
+        return (
+            f"ProcessQueue({self.mq}, cached={self.msg_count}, "
+            f"awaiting={self.awaiting_count}, next={self.next_offset}, "
+            f"dropped={self.dropped})"
+        )

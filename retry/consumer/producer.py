@@ -77,8 +77,13 @@ def new_message(
     if tags is not None:
         props[MessageConst.PROPERTY_TAGS] = tags
     return MessageExt(
-        topic=topic, msg_id=msg_id, body=body, keys=keys, tags=tags,
-        born_timestamp=clock.now_ms(), properties=props,
+        topic=topic,
+        msg_id=msg_id,
+        body=body,
+        keys=keys,
+        tags=tags,
+        born_timestamp=clock.now_ms(),
+        properties=props,
     )
 
 
@@ -146,7 +151,9 @@ class Producer:
             timeout_s = send_msg_timeout_ms / 1000
             # the producer owns its retries: redis-py must not resend on its own
             client = redis.Redis.from_url(
-                redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                redis_url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0),
             )
             self._owns_client = True
@@ -190,8 +197,14 @@ class Producer:
             try:
                 offset = self.topics.put(mq, [message])[0]
             except SEND_TRANSIENT as exc:
-                log.warning("send of %s to %s failed (attempt %d/%d): %s", message.msg_id, mq,
-                            attempt, attempts, exc)
+                log.warning(
+                    "send of %s to %s failed (attempt %d/%d): %s",
+                    message.msg_id,
+                    mq,
+                    attempt,
+                    attempts,
+                    exc,
+                )
                 error, last = exc, mq
                 continue
             return SendResult(SendStatus.SEND_OK, message.msg_id, mq, offset, attempt)

@@ -94,8 +94,9 @@ class PullService:
         """One pull thread per subscribed topic."""
         self._stop.clear()
         for topic in self.filters:
-            thread = threading.Thread(target=self._loop, args=(topic,), daemon=True,
-                                      name=f"{self.client_id}-pull-{topic}")
+            thread = threading.Thread(
+                target=self._loop, args=(topic,), daemon=True, name=f"{self.client_id}-pull-{topic}"
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -113,9 +114,11 @@ class PullService:
             return False
         if self.orderly and self.clustering and not pq.locked:
             return False
-        if (pq.msg_count > s.pull_threshold_for_queue
-                or pq.msg_size > s.pull_threshold_size_for_queue_mib * MIB
-                or (not self.orderly and pq.max_span() > s.consume_concurrently_max_span)):
+        if (
+            pq.msg_count > s.pull_threshold_for_queue
+            or pq.msg_size > s.pull_threshold_size_for_queue_mib * MIB
+            or (not self.orderly and pq.max_span() > s.consume_concurrently_max_span)
+        ):
             self.stats.add(flow_control=1)
             return False
         return True
@@ -133,8 +136,13 @@ class PullService:
                 else:
                     self._pull(pqs)
             except _PULL_FAILURES as exc:
-                log.warning("%s: pull of %s failed (%s); again in %d ms", self.client_id, topic,
-                            exc, PULL_TIME_DELAY_MILLS_WHEN_EXCEPTION)
+                log.warning(
+                    "%s: pull of %s failed (%s); again in %d ms",
+                    self.client_id,
+                    topic,
+                    exc,
+                    PULL_TIME_DELAY_MILLS_WHEN_EXCEPTION,
+                )
                 self._stop.wait(PULL_TIME_DELAY_MILLS_WHEN_EXCEPTION / 1000)
             except Exception:
                 log.exception("%s: pull of %s failed", self.client_id, topic)
@@ -143,7 +151,9 @@ class PullService:
     def _pull(self, pqs: Sequence[ProcessQueue]) -> None:
         offsets = {pq.mq: pq.next_offset for pq in pqs}
         found = self.topics.read_many(
-            offsets, self.settings.pull_batch_size, self.settings.pull_block_ms or None,
+            offsets,
+            self.settings.pull_batch_size,
+            self.settings.pull_block_ms or None,
             client=self.client,
         )
         for pq in pqs:
@@ -157,8 +167,9 @@ class PullService:
             taken = self._take_over_deliveries()
             pq.take_over_deliveries = False
             if taken:
-                log.info("%s: took over %d unacknowledged retry deliveries", self.client_id,
-                         len(taken))
+                log.info(
+                    "%s: took over %d unacknowledged retry deliveries", self.client_id, len(taken)
+                )
                 self._deliver(pq, taken)
         messages = self.engine.poll_retry(
             self.client_id, self.settings.pull_batch_size, self.settings.pull_block_ms or None
@@ -174,9 +185,17 @@ class PullService:
         start: Any = "0-0"
         try:
             while True:
-                reply: list[Any] = cast(Any, self.engine.client.xautoclaim(
-                    topic.key, topic.group, self.client_id, min_idle_time=0, start_id=start,
-                    count=1000))
+                reply: list[Any] = cast(
+                    Any,
+                    self.engine.client.xautoclaim(
+                        topic.key,
+                        topic.group,
+                        self.client_id,
+                        min_idle_time=0,
+                        start_id=start,
+                        count=1000,
+                    ),
+                )
                 taken += topic.entries_to_messages(reply[1])
                 start = reply[0]
                 if start in (b"0-0", "0-0"):

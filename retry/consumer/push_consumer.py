@@ -191,8 +191,9 @@ class PushConsumer:
 
     def build_chain(self, mq: MessageQueue, *, orderly: bool) -> CallNext:
         """The middleware chain ending in the listener, for one call on ``mq``."""
-        scope = ConsumeScope(mq=mq, client_id=self.client_id, orderly=orderly,
-                             defer_acks=not orderly)
+        scope = ConsumeScope(
+            mq=mq, client_id=self.client_id, orderly=orderly, defer_acks=not orderly
+        )
         terminal = self._call_orderly if orderly else self._call_concurrently
         return chain(self._middleware, terminal, scope)
 
@@ -210,8 +211,9 @@ class PushConsumer:
         """Whether ``mq`` is ``%RETRY%<group>``."""
         return mq.topic == self._retry_topic
 
-    def commit_offset(self, mq: MessageQueue, pq: ProcessQueue, offset: int, *,
-                      increase_only: bool) -> None:
+    def commit_offset(
+        self, mq: MessageQueue, pq: ProcessQueue, offset: int, *, increase_only: bool
+    ) -> None:
         """``updateConsumeOffset``, unless the queue was dropped (its results do not count)."""
         if pq.dropped or self.is_retry_queue(mq):
             return
@@ -230,8 +232,11 @@ class PushConsumer:
         try:
             self.engine.ack(pending)
         except Exception:
-            log.warning("ack of %d retried message(s) failed; again with the next persist",
-                        len(pending), exc_info=True)
+            log.warning(
+                "ack of %d retried message(s) failed; again with the next persist",
+                len(pending),
+                exc_info=True,
+            )
             with self._acks_lock:
                 self._retry_acks[:0] = pending
 
@@ -291,8 +296,7 @@ class PushConsumer:
         try:
             self.offset_store.persist(mq)
         except Exception:
-            log.warning("%s: could not persist the offset of %s", self.client_id, mq,
-                        exc_info=True)
+            log.warning("%s: could not persist the offset of %s", self.client_id, mq, exc_info=True)
         self.offset_store.remove_offset(mq)
         if self.orderly_service is not None:
             return self.orderly_service.unlock_queue(mq, pq)
@@ -300,8 +304,9 @@ class PushConsumer:
 
     # -- pulled messages -----------------------------------------------------------------
 
-    def _on_pulled(self, mq: MessageQueue, pq: ProcessQueue, messages: Sequence[MessageExt]) \
-            -> None:
+    def _on_pulled(
+        self, mq: MessageQueue, pq: ProcessQueue, messages: Sequence[MessageExt]
+    ) -> None:
         if self.orderly_service is not None:
             self.orderly_service.submit(messages, pq, mq)
         elif self.concurrently_service is not None:
@@ -317,8 +322,10 @@ class PushConsumer:
         if not data.startswith(RESET_NOTICE) or self.rebalance is None:
             return
         try:
-            offsets = {MessageQueue.parse(k): int(v)
-                       for k, v in json.loads(data[len(RESET_NOTICE):]).items()}
+            offsets = {
+                MessageQueue.parse(k): int(v)
+                for k, v in json.loads(data[len(RESET_NOTICE) :]).items()
+            }
         except (ValueError, TypeError, AttributeError):
             log.warning("ignoring a malformed reset notice: %r", data[:200])
             return
@@ -357,8 +364,15 @@ class PushConsumer:
             elif pq.next_offset > high:
                 illegal[pq.mq] = low if low == 0 else high
             if pq.mq in illegal:
-                log.warning("%s: pull offset %d of %s is outside [%d, %d]; resetting to %d",
-                            self.client_id, pq.next_offset, pq.mq, low, high, illegal[pq.mq])
+                log.warning(
+                    "%s: pull offset %d of %s is outside [%d, %d]; resetting to %d",
+                    self.client_id,
+                    pq.next_offset,
+                    pq.mq,
+                    low,
+                    high,
+                    illegal[pq.mq],
+                )
         if illegal:
             self.reset_offsets(illegal, persist=True)
         return illegal
@@ -381,35 +395,62 @@ class PushConsumer:
             self._filters.setdefault(self._retry_topic, TagFilter("*"))
         self.offset_store.load()
         if self.orderly:
-            locks = QueueLocks(self.client, self.group, self.client_id,
-                               ttl_ms=s.effective_lock_ttl_ms) if clustering else None
+            locks = (
+                QueueLocks(self.client, self.group, self.client_id, ttl_ms=s.effective_lock_ttl_ms)
+                if clustering
+                else None
+            )
             self.orderly_service = OrderlyService(self, locks)
         else:
             self.concurrently_service = ConcurrentlyService(self)
-        self.membership = Membership(self.client, self.group, self.client_id,
-                                     expire_ms=s.effective_heartbeat_expire_ms, clock=self.clock)
-        self.rebalance = RebalanceImpl(client_id=self.client_id, model=s.message_model,
-                                       topics=list(self._filters), hooks=self)
+        self.membership = Membership(
+            self.client,
+            self.group,
+            self.client_id,
+            expire_ms=s.effective_heartbeat_expire_ms,
+            clock=self.clock,
+        )
+        self.rebalance = RebalanceImpl(
+            client_id=self.client_id, model=s.message_model, topics=list(self._filters), hooks=self
+        )
         self.rebalance_service = RebalanceService(
-            self.membership, self.rebalance, rebalance_interval_ms=s.rebalance_interval_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms, on_notice=self._on_notice,
+            self.membership,
+            self.rebalance,
+            rebalance_interval_ms=s.rebalance_interval_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
+            on_notice=self._on_notice,
             name=f"{self.client_id}-rebalance",
         )
         self.pull_service = PullService(
-            client_id=self.client_id, topics=self.topics, rebalance=self.rebalance,
-            settings=s, stats=self.stats, filters=self._filters, orderly=self.orderly,
-            clustering=clustering, on_pulled=self._on_pulled, on_filtered=self._on_filtered,
-            client=self.client, engine=self.engine, retry_topic=self._retry_topic,
+            client_id=self.client_id,
+            topics=self.topics,
+            rebalance=self.rebalance,
+            settings=s,
+            stats=self.stats,
+            filters=self._filters,
+            orderly=self.orderly,
+            clustering=clustering,
+            on_pulled=self._on_pulled,
+            on_filtered=self._on_filtered,
+            client=self.client,
+            engine=self.engine,
+            retry_topic=self._retry_topic,
         )
         self.scheduler.start()
         (self.orderly_service or self.concurrently_service).start()  # type: ignore[union-attr]
         self.rebalance_service.rebalance_now()
         self.rebalance_service.start()
         self.pull_service.start()
-        self.scheduler.every(s.persist_consumer_offset_interval_ms, self.persist_consumer_offset,
-                             name="persist-offsets")
-        self.scheduler.every(s.persist_consumer_offset_interval_ms, self.correct_illegal_offsets,
-                             name="offset-illegal")
+        self.scheduler.every(
+            s.persist_consumer_offset_interval_ms,
+            self.persist_consumer_offset,
+            name="persist-offsets",
+        )
+        self.scheduler.every(
+            s.persist_consumer_offset_interval_ms,
+            self.correct_illegal_offsets,
+            name="offset-illegal",
+        )
         if self.orderly_service is not None and clustering:
             self.scheduler.every(s.lock_interval_ms, self._lock_all, name="lock-all")
         if self.run_schedule_service and self.engine is not None:
@@ -469,8 +510,11 @@ class PushConsumer:
                 continue
             try:
                 if not flush(self.settings.await_termination_ms):
-                    log.warning("%s: %r did not finish its pending acknowledgements in time",
-                                self.client_id, layer)
+                    log.warning(
+                        "%s: %r did not finish its pending acknowledgements in time",
+                        self.client_id,
+                        layer,
+                    )
             except Exception:
                 log.warning("%s: flushing %r failed", self.client_id, layer, exc_info=True)
 

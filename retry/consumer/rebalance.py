@@ -160,8 +160,9 @@ class RebalanceImpl:
         model: MessageModel,
         topics: Sequence[str],
         hooks: RebalanceHooks,
-        allocate: Callable[[str, Sequence[MessageQueue], Sequence[str]], list[MessageQueue]]
-        = allocate_averagely,
+        allocate: Callable[
+            [str, Sequence[MessageQueue], Sequence[str]], list[MessageQueue]
+        ] = allocate_averagely,
     ) -> None:
         self.client_id = client_id
         self.model = model
@@ -175,8 +176,11 @@ class RebalanceImpl:
     def process_queues(self, topic: str | None = None) -> list[ProcessQueue]:
         """The live process queues (of ``topic``)."""
         with self._lock:
-            return [pq for mq, pq in self.table.items()
-                    if not pq.dropped and (topic is None or mq.topic == topic)]
+            return [
+                pq
+                for mq, pq in self.table.items()
+                if not pq.dropped and (topic is None or mq.topic == topic)
+            ]
 
     def get(self, mq: MessageQueue) -> ProcessQueue | None:
         """The process queue of ``mq`` (``None``: not assigned here)."""
@@ -221,8 +225,7 @@ class RebalanceImpl:
             try:
                 offset = self.hooks.compute_pull_from_where(mq)
             except Exception as exc:
-                log.warning("%s: cannot start %s now (%s); next rebalance", self.client_id, mq,
-                            exc)
+                log.warning("%s: cannot start %s now (%s); next rebalance", self.client_id, mq, exc)
                 continue
             pq.next_offset = offset
             self.table[mq] = pq
@@ -301,8 +304,7 @@ class RebalanceService:
                     self._wake.clear()
                     members = self.membership.beat()
                     next_beat = now + self.heartbeat_interval_ms
-                    if members.changed or members.epoch != self.impl.epoch or \
-                            now >= next_rebalance:
+                    if members.changed or members.epoch != self.impl.epoch or now >= next_rebalance:
                         self.impl.do_rebalance(members)
                         self.rebalances += 1
                         next_rebalance = now + self.rebalance_interval_ms

@@ -60,7 +60,8 @@ class Runtime(Protocol):
         """Acknowledge consumed messages of the retry topic (flushed with the offsets)."""
         ...
 
-    def commit_offset(self, mq: MessageQueue, pq: ProcessQueue, offset: int, *,
-                      increase_only: bool) -> None:
+    def commit_offset(
+        self, mq: MessageQueue, pq: ProcessQueue, offset: int, *, increase_only: bool
+    ) -> None:
         """Record a queue's new consume offset in memory (unless the queue was dropped)."""
         ...

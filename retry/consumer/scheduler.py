@@ -48,12 +48,19 @@ class Scheduler:
         """Run ``fn`` once, ``delay_ms`` from now."""
         self._push(_Task(time.monotonic() + delay_ms / 1000, next(self._seq), fn, None, name))
 
-    def every(self, period_ms: float, fn: Callable[[], object], *, initial_delay_ms: float | None
-              = None, name: str = "") -> None:
+    def every(
+        self,
+        period_ms: float,
+        fn: Callable[[], object],
+        *,
+        initial_delay_ms: float | None = None,
+        name: str = "",
+    ) -> None:
         """Run ``fn`` every ``period_ms`` (first after ``initial_delay_ms``, default one period)."""
         first = period_ms if initial_delay_ms is None else initial_delay_ms
-        self._push(_Task(time.monotonic() + first / 1000, next(self._seq), fn,
-                         period_ms / 1000, name))
+        self._push(
+            _Task(time.monotonic() + first / 1000, next(self._seq), fn, period_ms / 1000, name)
+        )
 
     def _push(self, task: _Task) -> None:
         with self._cond:

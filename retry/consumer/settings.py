@@ -91,14 +91,17 @@ class ConsumerSettings:
                 raise ConfigError(f"{name}: expected a whole number, got {value!r}")
             if not low <= value <= high:
                 raise ConfigError(f"{name}: {value} is outside the allowed range {low}..{high}")
-        for name, enum in (("message_model", MessageModel),
-                           ("consume_from_where", ConsumeFromWhere)):
+        for name, enum in (
+            ("message_model", MessageModel),
+            ("consume_from_where", ConsumeFromWhere),
+        ):
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
                 allowed = ", ".join(m.value for m in enum)
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {allowed}") \
-                    from None
+                raise ConfigError(
+                    f"{name}: {getattr(self, name)!r} is not one of {allowed}"
+                ) from None
         if self.max_reconsume_times < -1:
             raise ConfigError(f"max_reconsume_times: {self.max_reconsume_times} must be >= -1")
         expire = self.effective_heartbeat_expire_ms

@@ -185,14 +185,13 @@ class TopicStore:
         low, high = self.min_offset(mq), self.max_offset(mq)
         if offset < low or offset > high:
             return PullResult(PullStatus.OFFSET_ILLEGAL, min(max(offset, low), high), low, high)
-        entries: list[Any] = cast(Any, self.client.xrange(
-            self.queue_key(mq), min=f"0-{offset + 1}", count=max_nums))
+        entries: list[Any] = cast(
+            Any, self.client.xrange(self.queue_key(mq), min=f"0-{offset + 1}", count=max_nums)
+        )
         messages = tuple(self._message(mq, eid, fields) for eid, fields in entries)
         if not messages:
             return PullResult(PullStatus.NO_NEW_MSG, offset, low, high)
-        return PullResult(
-            PullStatus.FOUND, messages[-1].queue_offset + 1, low, high, messages
-        )
+        return PullResult(PullStatus.FOUND, messages[-1].queue_offset + 1, low, high, messages)
 
     def max_offset(self, mq: MessageQueue) -> int:
         """The offset the next message of ``mq`` will get (RocketMQ's max offset)."""

@@ -44,9 +44,13 @@ from idem.retry.status import (
 pytestmark = pytest.mark.integration
 
 FAST = ConsumerSettings(
-    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
-    heartbeat_interval_ms=100, heartbeat_expire_ms=600, rebalance_interval_ms=500,
-    persist_consumer_offset_interval_ms=100, consume_thread_nums=4,
+    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+    pull_block_ms=50,
+    heartbeat_interval_ms=100,
+    heartbeat_expire_ms=600,
+    rebalance_interval_ms=500,
+    persist_consumer_offset_interval_ms=100,
+    consume_thread_nums=4,
 )
 
 
@@ -61,14 +65,20 @@ def eventually(check: Callable[[], object], timeout: float = 15.0) -> object:
 class Recorder:
     """A listener that records what it got and answers with ``answer``."""
 
-    def __init__(self, answer: Callable[[Sequence[MessageExt], ConsumeConcurrentlyContext],
-                                        ConsumeConcurrentlyStatus] | None = None) -> None:
+    def __init__(
+        self,
+        answer: Callable[
+            [Sequence[MessageExt], ConsumeConcurrentlyContext], ConsumeConcurrentlyStatus
+        ]
+        | None = None,
+    ) -> None:
         self.seen: list[MessageExt] = []
         self.lock = threading.Lock()
         self.answer = answer
 
-    def __call__(self, messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         with self.lock:
             self.seen.extend(messages)
         if self.answer is not None:
@@ -83,8 +93,12 @@ class Recorder:
 @pytest.fixture
 def config(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path) -> IdemConfig:
     TopicStore(real_redis).create_topic("orders", 4)
-    return IdemConfig(group=f"b-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
-                      data_dir=str(tmp_path), delay_levels="1s 1s 1s")
+    return IdemConfig(
+        group=f"b-{uuid.uuid4().hex[:8]}",
+        redis_url=redis_server.url,
+        data_dir=str(tmp_path),
+        delay_levels="1s 1s 1s",
+    )
 
 
 @pytest.fixture
@@ -95,9 +109,15 @@ def consumers() -> Iterator[list[PushConsumer]]:
         consumer.shutdown()
 
 
-def start(config: IdemConfig, listener: Recorder, consumers: list[PushConsumer], *,
-          settings: ConsumerSettings = FAST, name: str | None = None,
-          sub_expression: str = "*") -> PushConsumer:
+def start(
+    config: IdemConfig,
+    listener: Recorder,
+    consumers: list[PushConsumer],
+    *,
+    settings: ConsumerSettings = FAST,
+    name: str | None = None,
+    sub_expression: str = "*",
+) -> PushConsumer:
     consumer = PushConsumer(config, settings=settings, instance_name=name)
     consumer.subscribe("orders", sub_expression)
     consumer.register_message_listener_concurrently(listener)
@@ -112,8 +132,9 @@ def test_offsets_are_dense_and_searchable_by_time(real_redis: redis.Redis) -> No
     mq = MessageQueue("ledger", 0)
     first = topics.put(mq, [new_message("ledger", b"a", keys="A")])
     clock.advance(10)
-    later = topics.put(mq, [new_message("ledger", b"b", keys="B"),
-                            new_message("ledger", b"c", keys="C")])
+    later = topics.put(
+        mq, [new_message("ledger", b"b", keys="B"), new_message("ledger", b"c", keys="C")]
+    )
     assert first + later == [0, 1, 2]
     assert (topics.min_offset(mq), topics.max_offset(mq)) == (0, 3)
     assert topics.search_offset(mq, clock.now_ms()) == 1
@@ -124,8 +145,11 @@ def test_offsets_are_dense_and_searchable_by_time(real_redis: redis.Redis) -> No
 def test_allocate_averagely_matches_rocketmq() -> None:
     mqs = [MessageQueue("t", i) for i in range(8)]
     shares = {c: allocate_averagely(c, mqs, ["c1", "c2", "c3"]) for c in ("c1", "c2", "c3")}
-    assert [[mq.queue_id for mq in shares[c]] for c in ("c1", "c2", "c3")] == \
-        [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [[mq.queue_id for mq in shares[c]] for c in ("c1", "c2", "c3")] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7],
+    ]
     assert allocate_averagely("c9", mqs, ["c1"]) == []
     assert [mq.queue_id for mq in allocate_averagely("c2", mqs[:2], ["c1", "c2", "c3"])] == [1]
 
@@ -146,32 +170,40 @@ def test_heartbeats_expire_and_leave_bump_the_epoch(real_redis: redis.Redis) -> 
     assert a.leave().client_ids == ()
 
 
-def test_the_group_shares_the_queues_and_hands_them_over(config: IdemConfig,
-                                                         consumers: list[PushConsumer]) -> None:
+def test_the_group_shares_the_queues_and_hands_them_over(
+    config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
     one, two = Recorder(), Recorder()
     a = start(config, one, consumers, name="a")
     b = start(config, two, consumers, name="b")
-    eventually(lambda: {len([p for p in c.process_queues() if p.mq.topic == "orders"])
-                        for c in (a, b)} == {2})
+    eventually(
+        lambda: (
+            {len([p for p in c.process_queues() if p.mq.topic == "orders"]) for c in (a, b)} == {2}
+        )
+    )
     b.shutdown()  # leaves: a takes every queue at once
     eventually(lambda: len([p for p in a.process_queues() if p.mq.topic == "orders"]) == 4)
 
 
-def test_tags_filter_and_the_offset_still_advances(real_redis: redis.Redis, config: IdemConfig,
-                                                   consumers: list[PushConsumer]) -> None:
+def test_tags_filter_and_the_offset_still_advances(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
     producer = Producer("p", client=real_redis)
-    producer.send_batch([new_message("orders", b"{}", keys=f"K{i}", tags="A" if i % 2 else "B")
-                         for i in range(8)])
+    producer.send_batch(
+        [new_message("orders", b"{}", keys=f"K{i}", tags="A" if i % 2 else "B") for i in range(8)]
+    )
     got = Recorder()
     start(config, got, consumers, sub_expression="A")
     eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 8)
     assert sorted(got.keys()) == ["K1", "K3", "K5", "K7"]
 
 
-def test_ack_index_sends_back_only_the_rest(real_redis: redis.Redis, config: IdemConfig,
-                                            consumers: list[PushConsumer]) -> None:
-    def ack_two(messages: Sequence[MessageExt],
-                context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+def test_ack_index_sends_back_only_the_rest(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    def ack_two(
+        messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         if messages[0].reconsume_times == 0:
             context.ack_index = 1  # the first two succeeded
         return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
@@ -187,13 +219,15 @@ def test_ack_index_sends_back_only_the_rest(real_redis: redis.Redis, config: Ide
     assert consumer.stats.snapshot()["sent_back"] == 2
 
 
-def test_broadcasting_drops_a_failed_message(real_redis: redis.Redis, config: IdemConfig,
-                                             consumers: list[PushConsumer],
-                                             tmp_path: Path) -> None:
+def test_broadcasting_drops_a_failed_message(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer], tmp_path: Path
+) -> None:
     Producer("p", client=real_redis).send_batch(
-        [new_message("orders", b"{}", keys=f"K{i}") for i in range(4)])
-    settings = FAST.with_changes(message_model=MessageModel.BROADCASTING,
-                                 offset_store_dir=str(tmp_path / "offsets"))
+        [new_message("orders", b"{}", keys=f"K{i}") for i in range(4)]
+    )
+    settings = FAST.with_changes(
+        message_model=MessageModel.BROADCASTING, offset_store_dir=str(tmp_path / "offsets")
+    )
     failing = Recorder(lambda m, c: ConsumeConcurrentlyStatus.RECONSUME_LATER)
     everyone = [failing, Recorder()]
     a = start(config, everyone[0], consumers, settings=settings, name="a")
@@ -206,20 +240,25 @@ def test_broadcasting_drops_a_failed_message(real_redis: redis.Redis, config: Id
 
 
 def test_flow_control_pauses_pulls_but_everything_arrives(
-        real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]) -> None:
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
     Producer("p", client=real_redis).send_batch(
-        [new_message("orders", b"x" * 100, keys=f"K{i}") for i in range(400)])
+        [new_message("orders", b"x" * 100, keys=f"K{i}") for i in range(400)]
+    )
     slow = Recorder(lambda m, c: (time.sleep(0.002), ConsumeConcurrentlyStatus.CONSUME_SUCCESS)[1])
-    consumer = start(config, slow, consumers,
-                     settings=FAST.with_changes(pull_threshold_for_queue=10, pull_batch_size=8))
+    consumer = start(
+        config,
+        slow,
+        consumers,
+        settings=FAST.with_changes(pull_threshold_for_queue=10, pull_batch_size=8),
+    )
     eventually(lambda: len(set(slow.keys())) == 400)
     assert consumer.stats.snapshot()["flow_control"] > 0
 
 
 def test_process_queue_commits_the_smallest_offset_in_flight() -> None:
     pq = ProcessQueue(MessageQueue("t", 0))
-    messages = [MessageExt(topic="t", msg_id=f"M{i}", queue_offset=i, body=b"xx")
-                for i in range(5)]
+    messages = [MessageExt(topic="t", msg_id=f"M{i}", queue_offset=i, body=b"xx") for i in range(5)]
     pq.put_messages(messages)
     assert pq.remove_messages(messages[1:3]) == 0  # message 0 is still in flight
     assert pq.remove_messages(messages[0:1]) == 3
@@ -241,7 +280,8 @@ def test_local_offset_file_falls_back_to_its_backup(tmp_path: Path) -> None:
 
 
 def test_an_offset_beyond_the_broker_is_reset_to_the_brokers(
-        real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]) -> None:
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
     producer = Producer("p", client=real_redis)
     producer.send_batch([new_message("orders", b"{}", keys=f"OLD{i}") for i in range(8)])
     got = Recorder()

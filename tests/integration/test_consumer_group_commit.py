@@ -37,9 +37,13 @@ from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlySta
 pytestmark = pytest.mark.integration
 
 FAST = ConsumerSettings(
-    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
-    heartbeat_interval_ms=100, heartbeat_expire_ms=600, rebalance_interval_ms=500,
-    persist_consumer_offset_interval_ms=100, consume_thread_nums=4,
+    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+    pull_block_ms=50,
+    heartbeat_interval_ms=100,
+    heartbeat_expire_ms=600,
+    rebalance_interval_ms=500,
+    persist_consumer_offset_interval_ms=100,
+    consume_thread_nums=4,
 )
 
 
@@ -58,19 +62,20 @@ class Sink:
         self.lock = threading.Lock()
         self.keys: list[str] = []
 
-    def __call__(self, messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         with self.lock:
             self.keys += [m.keys or "" for m in messages]
         return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 
 
-def _consumer(config: IdemConfig, server: RedisServer, sink: Sink,
-              **hook: object) -> tuple[PushConsumer, DedupMiddleware]:
+def _consumer(
+    config: IdemConfig, server: RedisServer, sink: Sink, **hook: object
+) -> tuple[PushConsumer, DedupMiddleware]:
     consumer = PushConsumer(config, settings=FAST, client=server.client())
     consumer.subscribe("orders")
-    middleware = DedupMiddleware(Dedup(config, client=server.client()),
-                                 **hook)  # type: ignore[arg-type]
+    middleware = DedupMiddleware(Dedup(config, client=server.client()), **hook)  # type: ignore[arg-type]
     consumer.use(middleware)
     consumer.register_message_listener_concurrently(sink)
     return consumer, middleware
@@ -79,9 +84,13 @@ def _consumer(config: IdemConfig, server: RedisServer, sink: Sink,
 def test_a_busy_key_comes_back_without_counting_and_is_consumed_once_free(
     redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
 ) -> None:
-    config = IdemConfig(group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
-                        data_dir=str(tmp_path), delay_levels="1s 1s 1s",
-                        max_reconsume_times=1)
+    config = IdemConfig(
+        group=f"g-{uuid.uuid4().hex[:8]}",
+        redis_url=redis_server.url,
+        data_dir=str(tmp_path),
+        delay_levels="1s 1s 1s",
+        max_reconsume_times=1,
+    )
     TopicStore(real_redis).create_topic("orders", 1)
     other = Dedup(config, client=redis_server.client())
     held = other.begin(["ORDER-1"], owner="another-consumer")  # a live claim elsewhere
@@ -107,8 +116,9 @@ def test_a_busy_key_comes_back_without_counting_and_is_consumed_once_free(
 def test_the_offset_waits_for_the_group_commit(
     redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
 ) -> None:
-    config = IdemConfig(group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url,
-                        data_dir=str(tmp_path))
+    config = IdemConfig(
+        group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url, data_dir=str(tmp_path)
+    )
     TopicStore(real_redis).create_topic("orders", 1)
     sink = Sink()
     consumer, hook = _consumer(config, redis_server, sink, commit_interval_ms=1500)
@@ -122,8 +132,9 @@ def test_the_offset_waits_for_the_group_commit(
         # in the sink, not yet in the ledger: the offset stays before them
         assert hook.committer.pending_keys == 4
         assert consumer.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 0
-        eventually(lambda: consumer.offset_store.read_offset(
-            mq, ReadOffsetType.READ_FROM_MEMORY) == 4)
+        eventually(
+            lambda: consumer.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 4
+        )
         ledger = hook.dedup.ledger.window(0, None).keys.column("key").to_pylist()
         assert sorted(ledger) == [f"ORDER-{i}" for i in range(4)]
         assert hook.stats.commits == 1

@@ -60,10 +60,12 @@ class OrderSink:
         self.attempts: dict[str, list[float]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def listener(self, name: str) -> Callable[[Sequence[MessageExt], ConsumeOrderlyContext],
-                                              ConsumeOrderlyStatus]:
-        def consume(messages: Sequence[MessageExt],
-                    context: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+    def listener(
+        self, name: str
+    ) -> Callable[[Sequence[MessageExt], ConsumeOrderlyContext], ConsumeOrderlyStatus]:
+        def consume(
+            messages: Sequence[MessageExt], context: ConsumeOrderlyContext
+        ) -> ConsumeOrderlyStatus:
             for message in messages:
                 key = message.keys or ""
                 with self._lock:
@@ -72,31 +74,45 @@ class OrderSink:
                 if key == POISON or (key == FLAKY and tries <= FLAKY_FAILURES):
                     return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
                 with self._lock:
-                    self.rows.append({"key": key, "queue": message.queue_id,
-                                      "offset": message.queue_offset, "by": name,
-                                      "reconsume": message.reconsume_times})
+                    self.rows.append(
+                        {
+                            "key": key,
+                            "queue": message.queue_id,
+                            "offset": message.queue_offset,
+                            "by": name,
+                            "reconsume": message.reconsume_times,
+                        }
+                    )
             return ConsumeOrderlyStatus.SUCCESS
+
         return consume
 
 
-def test_order_kept_across_a_suspended_message(real_redis: redis.Redis,
-                                               redis_server: RedisServer,
-                                               tmp_path: Path) -> None:
+def test_order_kept_across_a_suspended_message(
+    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
     group = f"o-{uuid.uuid4().hex[:8]}"
-    config = IdemConfig(group=group, redis_url=redis_server.url, data_dir=str(tmp_path),
-                        max_reconsume_times=3)
+    config = IdemConfig(
+        group=group, redis_url=redis_server.url, data_dir=str(tmp_path), max_reconsume_times=3
+    )
     TopicStore(real_redis).create_topic("orders", 4)
     settings = ConsumerSettings(
-        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET, pull_block_ms=50,
-        heartbeat_interval_ms=100, heartbeat_expire_ms=1000, rebalance_interval_ms=500,
-        lock_interval_ms=200, persist_consumer_offset_interval_ms=200,
-        suspend_current_queue_time_millis=SUSPEND_MS, consume_thread_nums=4,
+        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+        pull_block_ms=50,
+        heartbeat_interval_ms=100,
+        heartbeat_expire_ms=1000,
+        rebalance_interval_ms=500,
+        lock_interval_ms=200,
+        persist_consumer_offset_interval_ms=200,
+        suspend_current_queue_time_millis=SUSPEND_MS,
+        consume_thread_nums=4,
     )
     sink = OrderSink()
     consumers = []
     for name in ("a", "b"):
-        consumer = PushConsumer(config, settings=settings, client=redis_server.client(),
-                                instance_name=name)
+        consumer = PushConsumer(
+            config, settings=settings, client=redis_server.client(), instance_name=name
+        )
         consumer.subscribe("orders")
         consumer.register_message_listener_orderly(sink.listener(name))
         consumers.append(consumer.start())
@@ -111,8 +127,11 @@ def test_order_kept_across_a_suspended_message(real_redis: redis.Redis,
         producer = Producer("p", client=real_redis)
         for step in range(STEPS):
             for order in range(ORDERS):
-                producer.send(new_message("orders", b"{}", keys=f"O{order}-{step}"),
-                              selector=select_message_queue_by_hash, arg=f"O{order}")
+                producer.send(
+                    new_message("orders", b"{}", keys=f"O{order}-{step}"),
+                    selector=select_message_queue_by_hash,
+                    arg=f"O{order}",
+                )
         expected = {f"O{o}-{s}" for o in range(ORDERS) for s in range(STEPS)} - {POISON}
         eventually(lambda: {r["key"] for r in sink.rows} == expected)
         dlq = consumers[0].engine.dlq if consumers[0].engine else None
@@ -130,8 +149,11 @@ def test_order_kept_across_a_suspended_message(real_redis: redis.Redis,
         assert offsets == sorted(offsets), f"queue {queue} written out of order: {offsets}"
         assert len({r["by"] for r in rows}) == 1, "one instance per queue"
     for order in range(ORDERS):
-        steps = [int(str(r["key"]).split("-")[1]) for r in sink.rows
-                 if str(r["key"]).startswith(f"O{order}-")]
+        steps = [
+            int(str(r["key"]).split("-")[1])
+            for r in sink.rows
+            if str(r["key"]).startswith(f"O{order}-")
+        ]
         assert steps == sorted(steps), f"order O{order} out of order: {steps}"
     assert len(sink.rows) == len(expected)  # nothing written twice
 

@@ -61,10 +61,10 @@ class BatchSink:
         self.done: set[str] = set()
         self.lock = threading.Lock()
 
-    def __call__(self, messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
-        lines = "".join(json.dumps({"key": m.keys, "msg_id": m.msg_id}) + "\n"
-                        for m in messages)
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        lines = "".join(json.dumps({"key": m.keys, "msg_id": m.msg_id}) + "\n" for m in messages)
         with self.lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
@@ -82,8 +82,13 @@ class BatchSink:
 class OffsetWatch:
     """Polls the committed offsets; every message below one must be finished."""
 
-    def __init__(self, client: redis.Redis, group: str, at: dict[MessageQueue, list[str]],
-                 finished: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        group: str,
+        at: dict[MessageQueue, list[str]],
+        finished: Callable[[str], bool],
+    ) -> None:
         self.client, self.group, self.at, self.finished = client, group, at, finished
         self.verified: dict[MessageQueue, int] = {}
         self.violations: list[tuple[MessageQueue, int, int]] = []
@@ -111,16 +116,23 @@ class OffsetWatch:
 
 
 def test_three_consumers_join_and_leave_under_50k_messages(
-        real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path) -> None:
+    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
     group = f"rb-{uuid.uuid4().hex[:8]}"
-    config = IdemConfig(group=group, redis_url=redis_server.url, data_dir=str(tmp_path),
-                        delay_levels="1s 1s 1s")
+    config = IdemConfig(
+        group=group, redis_url=redis_server.url, data_dir=str(tmp_path), delay_levels="1s 1s 1s"
+    )
     TopicStore(real_redis).create_topic("orders", QUEUES)
     settings = ConsumerSettings(
         consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
-        consume_message_batch_max_size=256, pull_batch_size=256, consume_thread_nums=16,
-        pull_block_ms=50, heartbeat_interval_ms=100, heartbeat_expire_ms=800,
-        rebalance_interval_ms=500, persist_consumer_offset_interval_ms=200,
+        consume_message_batch_max_size=256,
+        pull_batch_size=256,
+        consume_thread_nums=16,
+        pull_block_ms=50,
+        heartbeat_interval_ms=100,
+        heartbeat_expire_ms=800,
+        rebalance_interval_ms=500,
+        persist_consumer_offset_interval_ms=200,
     )
     sink = BatchSink(tmp_path / "sink.jsonl")
     sent_back: set[str] = set()
@@ -133,8 +145,13 @@ def test_three_consumers_join_and_leave_under_50k_messages(
 
     def start(name: str) -> PushConsumer:
         client = redis_server.client()
-        consumer = PushConsumer(config, settings=settings, client=client, instance_name=name,
-                                engine=RetryEngine(config, client=client, on_stage=on_stage))
+        consumer = PushConsumer(
+            config,
+            settings=settings,
+            client=client,
+            instance_name=name,
+            engine=RetryEngine(config, client=client, on_stage=on_stage),
+        )
         consumer.subscribe("orders")
         mw = DedupMiddleware(Dedup(config, client=client))
         middlewares.append(mw)
@@ -148,8 +165,10 @@ def test_three_consumers_join_and_leave_under_50k_messages(
 
     def produce() -> None:
         for start_at in range(0, TOTAL, CHUNK):
-            batch = [new_message("orders", b"{}", keys=f"K{i:06d}")
-                     for i in range(start_at, start_at + CHUNK)]
+            batch = [
+                new_message("orders", b"{}", keys=f"K{i:06d}")
+                for i in range(start_at, start_at + CHUNK)
+            ]
             for result, message in zip(producer.send_batch(batch), batch, strict=True):
                 keys = at.setdefault(result.message_queue, [])
                 assert result.queue_offset == len(keys)
@@ -172,10 +191,17 @@ def test_three_consumers_join_and_leave_under_50k_messages(
         c2.kill()  # crashes: unpersisted offsets, in-flight results lost
         flow.join()
         try:
-            eventually(lambda: len(sink.done) >= TOTAL
-                       and all(consumer_offsets(real_redis, group).get(mq, -1) >= len(keys)
-                               for mq, keys in at.items())
-                       and c3.engine is not None and c3.engine.pending() == 0)
+            eventually(
+                lambda: (
+                    len(sink.done) >= TOTAL
+                    and all(
+                        consumer_offsets(real_redis, group).get(mq, -1) >= len(keys)
+                        for mq, keys in at.items()
+                    )
+                    and c3.engine is not None
+                    and c3.engine.pending() == 0
+                )
+            )
         finally:
             c3.shutdown()
     elapsed = time.monotonic() - began
@@ -189,6 +215,8 @@ def test_three_consumers_join_and_leave_under_50k_messages(
     duplicates = Counter[str]()
     for mw in middlewares:
         duplicates.update(mw.stats.duplicates)
-    print(f"\n50k with 3 instances joining/leaving: {elapsed:.1f}s, "
-          f"duplicates absorbed: {dict(duplicates)}, offset checks: {watch.checks}")
+    print(
+        f"\n50k with 3 instances joining/leaving: {elapsed:.1f}s, "
+        f"duplicates absorbed: {dict(duplicates)}, offset checks: {watch.checks}"
+    )
     assert sum(duplicates.values()) > 0, "the joins and the crash must have caused redeliveries"

@@ -50,8 +50,9 @@ class StuckListener:
         self.release = threading.Event()
         self.started: dict[str, float] = {}
 
-    def __call__(self, messages: Sequence[MessageExt],
-                 context: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    def __call__(
+        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
         for message in messages:
             if message.reconsume_times == 0 and (message.keys or "").startswith("STUCK"):
                 self.started[message.keys or ""] = time.monotonic()
@@ -60,11 +61,13 @@ class StuckListener:
 
 
 @pytest.fixture
-def setup(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
-          ) -> Iterator[tuple[PushConsumer, StuckListener, dict[str, float], Producer]]:
+def setup(
+    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> Iterator[tuple[PushConsumer, StuckListener, dict[str, float], Producer]]:
     group = f"t-{uuid.uuid4().hex[:8]}"
-    config = IdemConfig(group=group, redis_url=redis_server.url, data_dir=str(tmp_path),
-                        delay_levels="1s 1s 1s")
+    config = IdemConfig(
+        group=group, redis_url=redis_server.url, data_dir=str(tmp_path), delay_levels="1s 1s 1s"
+    )
     TopicStore(real_redis).create_topic("orders", 2)
     sent_back: dict[str, float] = {}
 
@@ -76,12 +79,15 @@ def setup(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
     engine = RetryEngine(config, client=redis_server.client(), on_stage=on_stage)
     # the first send-back of a group creates its Delta journal (~0.4 s): not what is measured
     engine.send_back([MessageExt(topic="orders", msg_id="WARMUP", keys="WARMUP")])
-    settings = ConsumerSettings(consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
-                                consume_timeout_ms=2000, pull_block_ms=50,
-                                heartbeat_interval_ms=200, persist_consumer_offset_interval_ms=200)
+    settings = ConsumerSettings(
+        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+        consume_timeout_ms=2000,
+        pull_block_ms=50,
+        heartbeat_interval_ms=200,
+        persist_consumer_offset_interval_ms=200,
+    )
     listener = StuckListener()
-    consumer = PushConsumer(config, settings=settings, client=redis_server.client(),
-                            engine=engine)
+    consumer = PushConsumer(config, settings=settings, client=redis_server.client(), engine=engine)
     consumer.subscribe("orders")
     consumer.register_message_listener_concurrently(listener)
     consumer.start()
@@ -91,14 +97,16 @@ def setup(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
     consumer.shutdown()
 
 
-def _lateness(key: str, timeout_s: float, listener: StuckListener,
-              sent_back: dict[str, float]) -> float:
+def _lateness(
+    key: str, timeout_s: float, listener: StuckListener, sent_back: dict[str, float]
+) -> float:
     eventually(lambda: key in sent_back)
     return sent_back[key] - (listener.started[key] + timeout_s)
 
 
 def test_stuck_message_is_sent_back_within_a_second_of_its_deadline(
-        setup: tuple[PushConsumer, StuckListener, dict[str, float], Producer]) -> None:
+    setup: tuple[PushConsumer, StuckListener, dict[str, float], Producer],
+) -> None:
     consumer, listener, sent_back, producer = setup
     sent = producer.send(new_message("orders", b"{}", keys="STUCK-1"))
     late = _lateness("STUCK-1", 2.0, listener, sent_back)
@@ -109,12 +117,17 @@ def test_stuck_message_is_sent_back_within_a_second_of_its_deadline(
     assert len(found_late) == 1
     assert 0 <= found_late[0] <= 300  # found within the watchdog's 250 ms look
     # removed so the offset moves past it: the queue is not held back by the stuck message
-    eventually(lambda: consumer.offset_store.read_offset(
-        sent.message_queue, ReadOffsetType.READ_FROM_MEMORY) == sent.queue_offset + 1)
+    eventually(
+        lambda: (
+            consumer.offset_store.read_offset(sent.message_queue, ReadOffsetType.READ_FROM_MEMORY)
+            == sent.queue_offset + 1
+        )
+    )
 
 
 def test_a_new_timeout_applies_while_running(
-        setup: tuple[PushConsumer, StuckListener, dict[str, float], Producer]) -> None:
+    setup: tuple[PushConsumer, StuckListener, dict[str, float], Producer],
+) -> None:
     consumer, listener, sent_back, producer = setup
     consumer.consume_timeout_ms = 4000
     producer.send(new_message("orders", b"{}", keys="STUCK-4S"))

@@ -341,6 +341,22 @@ def test_existing_and_lookup_results_answer_for_many_keys(
     assert looked == {"ORDER_0": None, "ORDER_1": '{"n": 1}'}
 
 
+def test_owners_says_who_committed_each_key(make_ledger: MakeLedger, clock: ManualClock) -> None:
+    """A replayed Spark batch tells its own earlier commits from other writers' by this."""
+    ledger = make_ledger()
+    for owner, keys in (("query-a", ["A_1", "A_2"]), ("query-b", ["B_1"])):
+        rows = make_rows(
+            group="orders", keys=keys, buckets=[bucket_of(k, BUCKETS) for k in keys], owner=owner
+        )
+        ledger.commit(rows, app_id=owner, txn_version=0, match_since_ms=None)
+        clock.advance(60)
+
+    got = ledger.owners(["A_1", "A_2", "B_1", "MISSING"], since_ms=None)
+    assert got == {"A_1": "query-a", "A_2": "query-a", "B_1": "query-b"}
+    assert ledger.owners(["A_1", "B_1"], since_ms=clock.now_ms() - 90_000) == {"B_1": "query-b"}
+    assert ledger.owners([], since_ms=None) == {}
+
+
 def test_expire_drops_old_days_and_keeps_the_rest(tmp_path: Path, clock: ManualClock) -> None:
     path = tmp_path / "ledger"
     ledger = DeltaLedger(str(path), clock=clock)

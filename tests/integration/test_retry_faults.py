@@ -30,8 +30,7 @@ from idem.retry import (
 
 pytestmark = pytest.mark.integration
 
-FAULTS = FaultTolerance(redis_attempts=2, fallback_attempts=3, wait_initial_s=0.01,
-                        wait_max_s=0.05)
+FAULTS = FaultTolerance(redis_attempts=2, fallback_attempts=3, wait_initial_s=0.01, wait_max_s=0.05)
 
 
 @pytest.fixture
@@ -50,8 +49,10 @@ def _engine(tmp_path: Path, server: RedisServer, clock: ManualClock, **kw: objec
 
 
 def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
-    return [MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}")
-            for i in range(n)]
+    return [
+        MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}")
+        for i in range(n)
+    ]
 
 
 def _drain(engine: RetryEngine, clock: ManualClock) -> list[MessageExt]:
@@ -120,8 +121,11 @@ def test_redis_killed_and_restarted_during_1000_send_backs_loses_nothing(
         outcomes.update((o.msg_id, o.status) for o in result.outcomes)
         if any(o.status is not SendBackStatus.SCHEDULED for o in result.outcomes):
             outage_seen.set()
-        to_resubmit += [m for m, o in zip(batch, result.outcomes, strict=True)
-                        if o.status is SendBackStatus.RESUBMIT_LATER]
+        to_resubmit += [
+            m
+            for m, o in zip(batch, result.outcomes, strict=True)
+            if o.status is SendBackStatus.RESUBMIT_LATER
+        ]
         time.sleep(0.02)
     killer.join()
     statuses = Counter(outcomes.values())
@@ -168,7 +172,10 @@ def test_a_crash_inside_send_back_then_a_retry_leaves_one_row_per_dead_message(
     data_dir = str(tmp_path / "data")
     child = subprocess.run(
         [sys.executable, "-c", CRASHING_CHILD, aof_server.url, data_dir, crash_at],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert child.returncode == -9, child.stderr  # killed at the stage, as a crash
     engine = _engine(tmp_path, aof_server, clock)
@@ -176,8 +183,10 @@ def test_a_crash_inside_send_back_then_a_retry_leaves_one_row_per_dead_message(
         assert engine.dlq.count() == 20  # the DLQ write landed, the journal did not
         assert engine.journal.latest_version() is None
     # the batch is replayed after the crash (same messages, same transaction ids)
-    dead = [MessageExt(topic="TopicTest", msg_id=f"D{i}", keys=f"K{i}", reconsume_times=16)
-            for i in range(20)]
+    dead = [
+        MessageExt(topic="TopicTest", msg_id=f"D{i}", keys=f"K{i}", reconsume_times=16)
+        for i in range(20)
+    ]
     alive = [MessageExt(topic="TopicTest", msg_id=f"A{i}", keys=f"KA{i}") for i in range(20)]
     result = engine.send_back(dead + alive, app_id="batch-query", txn_version=41)
     assert len(result.dead) == 20

@@ -28,13 +28,16 @@ pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path: Path, server: RedisServer, group: str, **kw: object) -> IdemConfig:
-    return IdemConfig(group=group, redis_url=server.url, data_dir=str(tmp_path),
-                      **kw)  # type: ignore[arg-type]
+    return IdemConfig(group=group, redis_url=server.url, data_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
 
 
 def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
-    return [MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}",
-                       body=b'{"row": 1}') for i in range(n)]
+    return [
+        MessageExt(
+            topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}", body=b'{"row": 1}'
+        )
+        for i in range(n)
+    ]
 
 
 def _assert_invariant(engine: RetryEngine, expected: set[str], done: set[str]) -> None:
@@ -47,8 +50,9 @@ def test_two_schedule_services_on_one_group_deliver_each_message_once(
 ) -> None:
     config = _config(tmp_path, redis_server, "CID_two", delay_levels="20ms 40ms 60ms 80ms")
     producer = RetryEngine(config)
-    services = [RetryEngine(config).schedule_service(batch_size=50, name=f"svc-{i}")
-                for i in range(2)]
+    services = [
+        RetryEngine(config).schedule_service(batch_size=50, name=f"svc-{i}") for i in range(2)
+    ]
     consumer = RetryEngine(config)
     seen: Counter[str] = Counter()
     stop = threading.Event()
@@ -105,8 +109,21 @@ def test_flushall_after_1000_send_backs_then_rebuild(
     assert engine.pending() == 700
     real_redis.flushall()
     assert engine.pending() == 0
-    assert idem_main(["retry", "rebuild", "--group", config.group, "--redis-url",
-                      redis_server.url, "--data-dir", str(tmp_path)]) == 0
+    assert (
+        idem_main(
+            [
+                "retry",
+                "rebuild",
+                "--group",
+                config.group,
+                "--redis-url",
+                redis_server.url,
+                "--data-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert engine.pending() == 700
     delivered = list(done)
     engine.tick()
@@ -162,11 +179,23 @@ def test_idem_schedule_command_runs_until_terminated(
 ) -> None:
     config = _config(tmp_path, redis_server, "CID_cli", delay_levels="100ms 200ms")
     engine = RetryEngine(config)
-    command = [sys.executable, "-m", "idem.cli", "schedule", "--group", config.group,
-               "--redis-url", redis_server.url, "--data-dir", str(tmp_path),
-               "--delay-levels", "100ms 200ms"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "idem.cli",
+        "schedule",
+        "--group",
+        config.group,
+        "--redis-url",
+        redis_server.url,
+        "--data-dir",
+        str(tmp_path),
+        "--delay-levels",
+        "100ms 200ms",
+    ]
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     try:
         engine.send_back(_messages(50), delay_level=2)
         delivered: list[MessageExt] = []
@@ -181,8 +210,21 @@ def test_idem_schedule_command_runs_until_terminated(
     assert process.returncode == 0, err
     assert "moved 50 message(s)" in err
     assert sorted(m.origin_msg_id for m in delivered) == sorted(f"M{i}" for i in range(50))
-    assert idem_main(["retry", "stats", "--group", config.group, "--redis-url",
-                      redis_server.url, "--data-dir", str(tmp_path)]) == 0
+    assert (
+        idem_main(
+            [
+                "retry",
+                "stats",
+                "--group",
+                config.group,
+                "--redis-url",
+                redis_server.url,
+                "--data-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     _assert_invariant(engine, {f"M{i}" for i in range(50)}, {f"M{i}" for i in range(50)})
 
 
@@ -192,7 +234,8 @@ def test_retry_engine_refuses_an_evicting_redis(tmp_path: Path) -> None:
     from idem.retry import RetryEngine
 
     with RedisServer(maxmemory_policy="volatile-lru") as server:
-        engine = RetryEngine(IdemConfig(group="orders", redis_url=server.url,
-                                        data_dir=str(tmp_path)))
+        engine = RetryEngine(
+            IdemConfig(group="orders", redis_url=server.url, data_dir=str(tmp_path))
+        )
         with pytest.raises(UnsafeRedisConfig, match="volatile-lru"):
             engine.check()

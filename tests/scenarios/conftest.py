@@ -20,8 +20,9 @@ def dedup(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture
-def group(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path,
-          dedup: bool) -> Iterator[Group]:
+def group(
+    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path, dedup: bool
+) -> Iterator[Group]:
     """A fresh consumer group with a 4-queue topic on the shared redis-server."""
     g = Group(redis_server.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
     yield g

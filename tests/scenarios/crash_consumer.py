@@ -29,8 +29,9 @@ class CrashAfter:
     def __init__(self, key: str) -> None:
         self.key = key
 
-    def __call__(self, messages: Sequence[MessageExt], scope: ConsumeScope,
-                 call_next: CallNext) -> BatchResult:
+    def __call__(
+        self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
+    ) -> BatchResult:
         result = call_next(messages)
         hit = [i for i, m in enumerate(messages) if m.keys == self.key]
         if hit:

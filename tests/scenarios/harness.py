@@ -58,8 +58,12 @@ FAST = ConsumerSettings(
 """RocketMQ's intervals, shortened so a scenario takes seconds."""
 
 
-def eventually(check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05,
-               what: str = "condition") -> Any:
+def eventually(
+    check: Callable[[], object],
+    timeout: float = 20.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -82,11 +86,21 @@ class FileSink:
 
     def write(self, message: MessageExt, by: str = "") -> None:
         """Append ``message`` (its key, id, queue, offset, retry count, writer)."""
-        line = json.dumps({
-            "key": message.keys, "msg_id": message.msg_id, "origin": message.origin_msg_id,
-            "topic": message.topic, "queue_id": message.queue_id,
-            "offset": message.queue_offset, "reconsume": message.reconsume_times, "by": by,
-        }) + "\n"
+        line = (
+            json.dumps(
+                {
+                    "key": message.keys,
+                    "msg_id": message.msg_id,
+                    "origin": message.origin_msg_id,
+                    "topic": message.topic,
+                    "queue_id": message.queue_id,
+                    "offset": message.queue_offset,
+                    "reconsume": message.reconsume_times,
+                    "by": by,
+                }
+            )
+            + "\n"
+        )
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             try:
@@ -134,9 +148,13 @@ class Group:
     def __post_init__(self) -> None:
         self.client = redis.Redis.from_url(self.redis_url)
         self.config = IdemConfig(
-            group=self.name, redis_url=self.redis_url, data_dir=str(self.base / "data"),
-            delay_levels="1s 1s 1s", max_reconsume_times=self.max_reconsume_times,
-            lease_ms=self.lease_ms, consume_timeout_ms=60_000,
+            group=self.name,
+            redis_url=self.redis_url,
+            data_dir=str(self.base / "data"),
+            delay_levels="1s 1s 1s",
+            max_reconsume_times=self.max_reconsume_times,
+            lease_ms=self.lease_ms,
+            consume_timeout_ms=60_000,
         )
         self.sink = FileSink(self.base / f"sink-{self.name}.jsonl")
         self.topics = TopicStore(self.client)
@@ -166,15 +184,19 @@ class Group:
     ) -> PushConsumer:
         """A consumer instance (with the dedup hook when this run uses dedup)."""
         consumer = PushConsumer(
-            self.config, settings=settings, client=redis.Redis.from_url(self.redis_url),
-            offset_client=offset_client, instance_name=name,
+            self.config,
+            settings=settings,
+            client=redis.Redis.from_url(self.redis_url),
+            offset_client=offset_client,
+            instance_name=name,
         )
         consumer.subscribe(TOPIC)
         for layer in middleware:
             consumer.use(layer)
         if self.dedup:
-            config = self.config if dedup_group is None else \
-                self.config.with_changes(group=dedup_group)
+            config = (
+                self.config if dedup_group is None else self.config.with_changes(group=dedup_group)
+            )
             mw = DedupMiddleware(Dedup(config, client=redis.Redis.from_url(self.redis_url)))
             self.middlewares.append(mw)
             consumer.use(mw)
@@ -204,13 +226,18 @@ class Group:
     def caught_up(self, offset_client: redis.Redis | None = None) -> bool:
         """The group's persisted offsets reached the end of every queue."""
         stored = consumer_offsets(offset_client or self.client, self.name)
-        return all(stored.get(mq, -1) >= self.topics.max_offset(mq)
-                   for mq in self.topics.message_queues(TOPIC))
+        return all(
+            stored.get(mq, -1) >= self.topics.max_offset(mq)
+            for mq in self.topics.message_queues(TOPIC)
+        )
 
     def settled(self, keys: Iterable[str], offset_client: redis.Redis | None = None) -> bool:
         """Every key written, every queue consumed to its end, no retry left in flight."""
-        return (self.sink.has_all(keys) and self.caught_up(offset_client)
-                and self.retries_pending() == 0)
+        return (
+            self.sink.has_all(keys)
+            and self.caught_up(offset_client)
+            and self.retries_pending() == 0
+        )
 
     def assert_exactly_once(self, keys: Iterable[str]) -> None:
         """Every key in the sink's durable state exactly once, none lost, none extra."""
@@ -233,8 +260,7 @@ class Group:
 
 def offset_client(server: RedisServer) -> redis.Redis:
     """A client to a separate offset store that fails fast when the store is down."""
-    return server.client(retry=Retry(NoBackoff(), 0), socket_connect_timeout=0.5,
-                         socket_timeout=2)
+    return server.client(retry=Retry(NoBackoff(), 0), socket_connect_timeout=0.5, socket_timeout=2)
 
 
 def keys(prefix: str, n: int) -> list[str]:

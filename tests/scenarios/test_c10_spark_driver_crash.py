@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from deltalake import DeltaTable
 
+from idem.ledger import read_table
 from idem.redis_server import RedisServer
 from idem.spark.session import FAST_START_JAVA_OPTIONS
 
@@ -128,7 +129,7 @@ def test_c10_delta_sink_survives_driver_kills_with_every_key_exactly_once(
 
     code, out = _idem_run(tmp_path, url, group, args)
     assert code == 0, out[-3000:]
-    counts = Counter(DeltaTable(str(sink)).to_pyarrow_table(columns=["key"])["key"].to_pylist())
+    counts = Counter(read_table(DeltaTable(str(sink)), ["key"])["key"].to_pylist())
     assert set(counts) == keys  # nothing lost
     assert set(counts.values()) == {1}  # nothing twice
     report = _report(tmp_path)

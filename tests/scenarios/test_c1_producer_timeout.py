@@ -57,8 +57,12 @@ def test_c1_send_timeout_after_store(broker: RedisServer, tmp_path: Path, dedup:
         resent = "C1-RESENT"
         assert send_during_stall(broker, resent) == 2  # timed out once, then succeeded
         wanted += [resent, f"{resent}-WARMUP"]
-        stored = [m for mq in TopicStore(group.client).message_queues("orders")
-                  for m in TopicStore(group.client).messages(mq) if m.keys == resent]
+        stored = [
+            m
+            for mq in TopicStore(group.client).message_queues("orders")
+            for m in TopicStore(group.client).messages(mq)
+            if m.keys == resent
+        ]
         assert len(stored) == 2, "the broker holds the message twice"
         assert stored[0].msg_id == stored[1].msg_id
         assert stored[0].queue_id != stored[1].queue_id
@@ -71,8 +75,10 @@ def test_c1_send_timeout_after_store(broker: RedisServer, tmp_path: Path, dedup:
             assert rows[0]["msg_id"] == rows[1]["msg_id"]  # same message, stored twice
             assert {r["queue_id"] for r in rows} == {s.queue_id for s in stored}
             return
-        eventually(lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
-                   what="every key written and the second copy absorbed")
+        eventually(
+            lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
+            what="every key written and the second copy absorbed",
+        )
         group.assert_exactly_once(wanted)
         records = [r for mw in group.middlewares for r in mw.stats.duplicate_records("completed")]
         assert [r.key for r in records] == [resent]

@@ -43,8 +43,10 @@ def test_c2_whole_batch_is_resent(group: Group) -> None:
         eventually(lambda: group.settled(wanted), what="every key written")
         return
 
-    eventually(lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
-               what="every key written and the resent batch absorbed")
+    eventually(
+        lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
+        what="every key written and the resent batch absorbed",
+    )
     group.assert_exactly_once(wanted)
     records = [r for mw in group.middlewares for r in mw.stats.duplicate_records("completed")]
     assert all(r.reconsume_times >= 1 for r in records), records

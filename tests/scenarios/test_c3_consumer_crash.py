@@ -27,12 +27,21 @@ CHILD = Path(__file__).with_name("crash_consumer.py")
 def test_c3_crash_before_offset_persist(group: Group) -> None:
     first = group.produce(keys("C3-A", 8))
     crash_key = "C3-B0007"
-    spec = {"redis_url": group.redis_url, "base": str(group.base), "group": group.name,
-            "dedup": group.dedup, "crash_key": crash_key, "persist_ms": 300}
+    spec = {
+        "redis_url": group.redis_url,
+        "base": str(group.base),
+        "group": group.name,
+        "dedup": group.dedup,
+        "crash_key": crash_key,
+        "persist_ms": 300,
+    }
     child = subprocess.Popen([sys.executable, str(CHILD), json.dumps(spec)])
     try:
-        eventually(lambda: sum(consumer_offsets(group.client, group.name).values()) == 8,
-                   timeout=30, what="the first phase consumed and its offsets persisted")
+        eventually(
+            lambda: sum(consumer_offsets(group.client, group.name).values()) == 8,
+            timeout=30,
+            what="the first phase consumed and its offsets persisted",
+        )
         second = group.produce(keys("C3-B", 8))
         assert child.wait(timeout=30) == -9  # SIGKILL: no shutdown, no final persist
     finally:
@@ -53,10 +62,13 @@ def test_c3_crash_before_offset_persist(group: Group) -> None:
         assert rows[0]["msg_id"] == rows[1]["msg_id"]  # the same message, delivered again
         eventually(lambda: group.settled(wanted), what="every key written")
         return
-    eventually(lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
-               what="the second phase redelivered and absorbed")
+    eventually(
+        lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
+        what="the second phase redelivered and absorbed",
+    )
     group.assert_exactly_once(wanted)
-    redelivered = {r.key for mw in group.middlewares
-                   for r in mw.stats.duplicate_records("completed")}
+    redelivered = {
+        r.key for mw in group.middlewares for r in mw.stats.duplicate_records("completed")
+    }
     assert crash_key in redelivered
     assert redelivered <= set(second)

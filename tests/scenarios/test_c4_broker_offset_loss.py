@@ -30,16 +30,17 @@ def offsets_broker() -> Iterator[RedisServer]:
     server.stop()
 
 
-def test_c4_broker_loses_its_last_offset_writes(group: Group,
-                                                offsets_broker: RedisServer) -> None:
+def test_c4_broker_loses_its_last_offset_writes(group: Group, offsets_broker: RedisServer) -> None:
     store = offset_client(offsets_broker)
     first = group.produce(keys("C4-A", 8))
     a = group.consumer("a", offset_client=store)
     eventually(lambda: group.caught_up(store), what="the first phase committed to the broker")
     store.save()  # the broker's periodic persist
     second = group.produce(keys("C4-B", 8))
-    eventually(lambda: group.sink.has_all(second) and group.caught_up(store),
-               what="the second phase consumed and committed to the broker's memory")
+    eventually(
+        lambda: group.sink.has_all(second) and group.caught_up(store),
+        what="the second phase consumed and committed to the broker's memory",
+    )
     offsets_broker.kill()  # crash before the next persist
     a.shutdown()  # restarted during the outage: its final persist cannot reach the broker
     offsets_broker.start()
@@ -49,15 +50,21 @@ def test_c4_broker_loses_its_last_offset_writes(group: Group,
     group.consumer("b", offset_client=store)
     wanted = first + second
     if not group.dedup:
-        doubled = eventually(lambda: set(group.sink.duplicates()) == set(second),
-                             what="the second phase written again")
+        doubled = eventually(
+            lambda: set(group.sink.duplicates()) == set(second),
+            what="the second phase written again",
+        )
         assert doubled
         for key in second:
             assert [r["by"] for r in group.sink.rows_of(key)] == ["a", "b"]
         return
-    eventually(lambda: group.settled(wanted, store)
-               and group.duplicates_by_cause()["completed"] == len(second),
-               what="the second phase redelivered and absorbed")
+    eventually(
+        lambda: (
+            group.settled(wanted, store) and group.duplicates_by_cause()["completed"] == len(second)
+        ),
+        what="the second phase redelivered and absorbed",
+    )
     group.assert_exactly_once(wanted)
-    assert {r.key for mw in group.middlewares
-            for r in mw.stats.duplicate_records("completed")} == set(second)
+    assert {
+        r.key for mw in group.middlewares for r in mw.stats.duplicate_records("completed")
+    } == set(second)

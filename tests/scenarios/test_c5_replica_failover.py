@@ -37,9 +37,9 @@ def _linked(replica: RedisServer) -> bool:
     return info.get("master_link_status") == "up"
 
 
-def test_c5_failover_to_a_lagging_replica(group: Group,
-                                          master_and_replica: tuple[RedisServer, RedisServer]
-                                          ) -> None:
+def test_c5_failover_to_a_lagging_replica(
+    group: Group, master_and_replica: tuple[RedisServer, RedisServer]
+) -> None:
     master, replica = master_and_replica
     eventually(lambda: _linked(replica), what="the replica following the master")
     on_master, on_replica = offset_client(master), offset_client(replica)
@@ -49,8 +49,10 @@ def test_c5_failover_to_a_lagging_replica(group: Group,
     eventually(lambda: group.caught_up(on_replica), what="the replica synced the offsets")
     on_replica.replicaof("NO", "ONE")  # the link is cut: the replica's offsets lag from here
     second = group.produce(keys("C5-B", 8))
-    eventually(lambda: group.sink.has_all(second) and group.caught_up(on_master),
-               what="the second phase committed to the master")
+    eventually(
+        lambda: group.sink.has_all(second) and group.caught_up(on_master),
+        what="the second phase committed to the master",
+    )
     master.kill()
     a.shutdown()  # its final persist cannot reach the dead master
     assert sum(consumer_offsets(on_replica, group.name).values()) == 8  # it lags
@@ -58,12 +60,18 @@ def test_c5_failover_to_a_lagging_replica(group: Group,
     group.consumer("b", offset_client=on_replica)  # failed over to the promoted replica
     wanted = first + second
     if not group.dedup:
-        eventually(lambda: set(group.sink.duplicates()) == set(second),
-                   what="the second phase written again")
+        eventually(
+            lambda: set(group.sink.duplicates()) == set(second),
+            what="the second phase written again",
+        )
         for key in second:
             assert [r["by"] for r in group.sink.rows_of(key)] == ["a", "b"]
         return
-    eventually(lambda: group.settled(wanted, on_replica)
-               and group.duplicates_by_cause()["completed"] == len(second),
-               what="the second phase redelivered and absorbed")
+    eventually(
+        lambda: (
+            group.settled(wanted, on_replica)
+            and group.duplicates_by_cause()["completed"] == len(second)
+        ),
+        what="the second phase redelivered and absorbed",
+    )
     group.assert_exactly_once(wanted)

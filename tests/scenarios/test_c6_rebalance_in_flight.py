@@ -33,31 +33,45 @@ def test_c6_queue_taken_away_mid_batch(group: Group) -> None:
         group.sink.write(message, "a")
 
     a = group.consumer("a", listener=DefaultMessageListenerConcurrently(handle_on_a))
-    eventually(lambda: group.sink.has_all(k for k in wanted if k != slow),
-               what="everything but the slow message consumed by a")
+    eventually(
+        lambda: group.sink.has_all(k for k in wanted if k != slow),
+        what="everything but the slow message consumed by a",
+    )
     group.consumer("b")  # joins: the group rebalances, queue 3 moves to b
     try:
         if not group.dedup:
-            eventually(lambda: set(after_slow) <= set(group.sink.duplicates()),
-                       what="b consuming queue 3 again from the committed offset")
+            eventually(
+                lambda: set(after_slow) <= set(group.sink.duplicates()),
+                what="b consuming queue 3 again from the committed offset",
+            )
         else:
-            eventually(lambda: group.duplicates_by_cause()["completed"] >= len(after_slow),
-                       what="b's redeliveries absorbed")
+            eventually(
+                lambda: group.duplicates_by_cause()["completed"] >= len(after_slow),
+                what="b's redeliveries absorbed",
+            )
     finally:
         release.set()
-    eventually(lambda: a.stats.snapshot()["dropped_results"] >= 1,
-               what="a finishing the slow message on a dropped queue")
+    eventually(
+        lambda: a.stats.snapshot()["dropped_results"] >= 1,
+        what="a finishing the slow message on a dropped queue",
+    )
     assert all(pq.mq.queue_id != 3 for pq in a.process_queues())
     if not group.dedup:
         eventually(lambda: slow in group.sink.duplicates(), what="the slow message twice")
         assert {r["by"] for r in group.sink.rows_of(slow)} == {"a", "b"}
         return
-    eventually(lambda: group.settled(wanted)
-               and group.duplicates_by_cause()["completed"] >= len(after_slow) + 1,
-               what="the slow message's redelivery absorbed")
+    eventually(
+        lambda: (
+            group.settled(wanted)
+            and group.duplicates_by_cause()["completed"] >= len(after_slow) + 1
+        ),
+        what="the slow message's redelivery absorbed",
+    )
     group.assert_exactly_once(wanted)
     causes = {r.key: r.cause for mw in group.middlewares for r in mw.stats.duplicate_records()}
     assert causes[slow] in {"busy", "completed"}
-    assert {k for mw in group.middlewares
-            for k in (r.key for r in mw.stats.duplicate_records("completed"))} >= {
-        slow, *after_slow}
+    assert {
+        k
+        for mw in group.middlewares
+        for k in (r.key for r in mw.stats.duplicate_records("completed"))
+    } >= {slow, *after_slow}

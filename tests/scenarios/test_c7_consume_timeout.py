@@ -28,18 +28,26 @@ def test_c7_slow_sink_outlives_the_consume_timeout(group: Group) -> None:
             time.sleep(3.0)
         group.sink.write(message, "c")
 
-    consumer = group.consumer("c", listener=DefaultMessageListenerConcurrently(handle),
-                              settings=FAST.with_changes(consume_timeout_ms=2000))
-    eventually(lambda: consumer.stats.snapshot()["expired"] == 1, timeout=10,
-               what="the slow message sent back by the consume timeout")
+    consumer = group.consumer(
+        "c",
+        listener=DefaultMessageListenerConcurrently(handle),
+        settings=FAST.with_changes(consume_timeout_ms=2000),
+    )
+    eventually(
+        lambda: consumer.stats.snapshot()["expired"] == 1,
+        timeout=10,
+        what="the slow message sent back by the consume timeout",
+    )
     if not group.dedup:
         eventually(lambda: slow in group.sink.duplicates(), what="the slow message twice")
         rows = group.sink.rows_of(slow)
         assert sorted(r["reconsume"] for r in rows) == [0, 1]
         assert rows[0]["origin"] == rows[1]["origin"]
         return
-    eventually(lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
-               what="the retried copy absorbed")
+    eventually(
+        lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"],
+        what="the retried copy absorbed",
+    )
     group.assert_exactly_once(wanted)
     records = [r for mw in group.middlewares for r in mw.stats.duplicate_records("completed")]
     assert [r.key for r in records] == [slow]

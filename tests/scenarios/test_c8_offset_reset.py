@@ -32,10 +32,13 @@ def test_c8_offset_reset_backwards(group: Group) -> None:
 
     wanted = first + second
     if not group.dedup:
-        eventually(lambda: set(group.sink.duplicates()) == set(second),
-                   what="the second phase written again")
+        eventually(
+            lambda: set(group.sink.duplicates()) == set(second),
+            what="the second phase written again",
+        )
         return
-    eventually(lambda: group.settled(wanted)
-               and group.duplicates_by_cause()["completed"] == len(second),
-               what="the second phase redelivered and absorbed")
+    eventually(
+        lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"] == len(second),
+        what="the second phase redelivered and absorbed",
+    )
     group.assert_exactly_once(wanted)

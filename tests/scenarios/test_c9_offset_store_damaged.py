@@ -19,9 +19,11 @@ pytestmark = pytest.mark.scenarios
 
 
 def test_c9_damaged_offset_file(group: Group, tmp_path: Path) -> None:
-    settings = FAST.with_changes(message_model=MessageModel.BROADCASTING,
-                                 offset_store_dir=str(tmp_path / "offsets"),
-                                 await_termination_ms=5000)
+    settings = FAST.with_changes(
+        message_model=MessageModel.BROADCASTING,
+        offset_store_dir=str(tmp_path / "offsets"),
+        await_termination_ms=5000,
+    )
     dedup_group = f"{group.name}-bc-1"  # broadcasting: every instance consumes every key once
     wanted = group.produce(keys("C9-", 12))
     first = group.consumer("bc-1", settings=settings, dedup_group=dedup_group)
@@ -35,10 +37,13 @@ def test_c9_damaged_offset_file(group: Group, tmp_path: Path) -> None:
 
     again = group.consumer("bc-1", settings=settings, dedup_group=dedup_group)
     if not group.dedup:
-        eventually(lambda: set(group.sink.duplicates()) == set(wanted),
-                   what="everything written again")
+        eventually(
+            lambda: set(group.sink.duplicates()) == set(wanted), what="everything written again"
+        )
         return
-    eventually(lambda: sum(mw.stats.duplicates["completed"] for mw in group.middlewares)
-               == len(wanted), what="every redelivery absorbed")
+    eventually(
+        lambda: sum(mw.stats.duplicates["completed"] for mw in group.middlewares) == len(wanted),
+        what="every redelivery absorbed",
+    )
     eventually(lambda: again.stats.snapshot()["consumed_ok"] == len(wanted))
     group.assert_exactly_once(wanted)

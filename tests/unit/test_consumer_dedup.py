@@ -35,8 +35,7 @@ GROUP = "CID_dedup_hook"
 
 
 def _config(tmp_path: Path, **extra: object) -> IdemConfig:
-    return IdemConfig(group=GROUP, data_dir=str(tmp_path), buckets=4,
-                      **extra)  # type: ignore[arg-type]
+    return IdemConfig(group=GROUP, data_dir=str(tmp_path), buckets=4, **extra)  # type: ignore[arg-type]
 
 
 def _scope(*, retry: bool = False, defer: bool = False) -> ConsumeScope:
@@ -47,8 +46,9 @@ def _scope(*, retry: bool = False, defer: bool = False) -> ConsumeScope:
 def _failing(messages: Sequence[MessageExt]) -> BatchResult:
     from idem.retry.consumer import Failure
 
-    return BatchResult(len(messages), failed=dict.fromkeys(range(len(messages)),
-                                                           Failure("db down")))
+    return BatchResult(
+        len(messages), failed=dict.fromkeys(range(len(messages)), Failure("db down"))
+    )
 
 
 def _ok(messages: Sequence[MessageExt]) -> BatchResult:
@@ -82,8 +82,10 @@ def test_a_retried_copy_wins_over_an_older_copy_so_the_chain_goes_on(
     hook = DedupMiddleware(dedup, owner="c1")
     result = hook(batch, _scope(retry=True), _failing)
     # what the consumer does with the answer: send back the failed, ack the rest
-    engine.send_back([batch[i] for i in result.failed],
-                     errors={batch[i].msg_id: "db down" for i in result.failed})
+    engine.send_back(
+        [batch[i] for i in result.failed],
+        errors={batch[i].msg_id: "db down" for i in result.failed},
+    )
     engine.ack([batch[i] for i in result.acked])
 
     assert hook.stats.duplicates["in_batch"] == 1
@@ -95,8 +97,9 @@ def test_a_retried_copy_wins_over_an_older_copy_so_the_chain_goes_on(
 def test_a_busy_key_is_sent_back_without_counting(tmp_path: Path, clock: ManualClock) -> None:
     config = _config(tmp_path, max_reconsume_times=2, delay_levels="1s 5s 10s")
     engine = RetryEngine(config, client=fakeredis.FakeRedis(), clock=clock)
-    at_limit = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}",
-                          reconsume_times=2)
+    at_limit = MessageExt(
+        topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}", reconsume_times=2
+    )
     outcome = engine.send_back_busy([at_limit])
     assert [o.status.value for o in outcome.outcomes] == ["SCHEDULED"]
     assert outcome.outcomes[0].delay_level == 1
@@ -114,8 +117,9 @@ def test_a_busy_key_is_sent_back_without_counting(tmp_path: Path, clock: ManualC
     assert engine.pending() == 0
 
 
-def test_a_repeated_busy_send_back_names_the_same_message(clock: ManualClock,
-                                                          tmp_path: Path) -> None:
+def test_a_repeated_busy_send_back_names_the_same_message(
+    clock: ManualClock, tmp_path: Path
+) -> None:
     engine = RetryEngine(_config(tmp_path), client=fakeredis.FakeRedis(), clock=clock)
     message = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}")
     first = engine.send_back_busy([message]).outcomes[0]
@@ -124,8 +128,9 @@ def test_a_repeated_busy_send_back_names_the_same_message(clock: ManualClock,
     assert engine.pending() == 1
 
 
-def test_the_hook_sends_busy_keys_back_as_not_counting(tmp_path: Path, clock: ManualClock,
-                                                       fake_redis: fakeredis.FakeRedis) -> None:
+def test_the_hook_sends_busy_keys_back_as_not_counting(
+    tmp_path: Path, clock: ManualClock, fake_redis: fakeredis.FakeRedis
+) -> None:
     dedup = Dedup(_config(tmp_path), client=fake_redis, clock=clock)
     dedup.begin(["ORDER-1"], owner="someone-else")  # a live claim of another consumer
     hook = DedupMiddleware(dedup, owner="c1")
@@ -145,8 +150,10 @@ def test_a_group_committed_key_stays_reserved_and_its_offset_held_until_durable(
     hook = DedupMiddleware(dedup, owner="c1", commit_interval_ms=60_000)
     mq = MessageQueue("orders", 0)
     pq = ProcessQueue(mq)
-    first = [MessageExt(topic="orders", msg_id=f"M{i}", keys=f"ORDER-{i}", body=b"{}",
-                        queue_offset=i) for i in range(3)]
+    first = [
+        MessageExt(topic="orders", msg_id=f"M{i}", keys=f"ORDER-{i}", body=b"{}", queue_offset=i)
+        for i in range(3)
+    ]
     pq.put_messages(first)
 
     result = hook(first, _scope(defer=True), _ok)
@@ -166,8 +173,11 @@ def test_a_group_committed_key_stays_reserved_and_its_offset_held_until_durable(
     assert deferred.resolved
     assert deferred.wait(0) is None
     assert pq.settle(first) == 3  # the offset may now pass them
-    assert sorted(dedup.ledger.window(0, None).keys.column("key").to_pylist()) == \
-        ["ORDER-0", "ORDER-1", "ORDER-2"]
+    assert sorted(dedup.ledger.window(0, None).keys.column("key").to_pylist()) == [
+        "ORDER-0",
+        "ORDER-1",
+        "ORDER-2",
+    ]
     third = hook([again], _scope(defer=True), _ok)
     assert not third.failed
     assert not third.pending
@@ -213,11 +223,31 @@ def test_process_queue_holds_the_offset_for_awaiting_messages() -> None:
 
 def test_slicing_a_shared_claim_covers_every_field() -> None:
     # a new BatchClaim field must be sliced too (group_claim.slice_claim)
-    known = {"owner", "keys", "fingerprints", "fresh", "duplicates", "busy", "invalid",
-             "mismatched", "retaken", "ledger_version", "reclaimed", "stored_fingerprints"}
+    known = {
+        "owner",
+        "keys",
+        "fingerprints",
+        "fresh",
+        "duplicates",
+        "busy",
+        "invalid",
+        "mismatched",
+        "retaken",
+        "ledger_version",
+        "reclaimed",
+        "stored_fingerprints",
+    }
     assert {f.name for f in dataclasses.fields(BatchClaim)} == known
-    claim = BatchClaim(owner="o", keys=("a", "b", "c", "d"), fingerprints=("1", "2", "3", "4"),
-                       fresh=(0, 2, 3), duplicates={}, busy=(1,), invalid=(), retaken=(3,))
+    claim = BatchClaim(
+        owner="o",
+        keys=("a", "b", "c", "d"),
+        fingerprints=("1", "2", "3", "4"),
+        fresh=(0, 2, 3),
+        duplicates={},
+        busy=(1,),
+        invalid=(),
+        retaken=(3,),
+    )
     part = slice_claim(claim, 2, 2)
     assert part.keys == ("c", "d")
     assert part.fresh == (0, 1)

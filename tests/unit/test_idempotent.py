@@ -23,8 +23,11 @@ class Order:
 
 @pytest.fixture
 def dedup(tmp_path: Path, any_redis: redis.Redis, clock: ManualClock) -> Dedup:
-    return Dedup(IdemConfig(group="billing", data_dir=str(tmp_path), buckets=2),
-                 client=any_redis, clock=clock)
+    return Dedup(
+        IdemConfig(group="billing", data_dir=str(tmp_path), buckets=2),
+        client=any_redis,
+        clock=clock,
+    )
 
 
 def test_runs_once_per_key_and_replays_the_result(dedup: Dedup) -> None:
@@ -99,8 +102,12 @@ def test_payload_mismatch_policies(dedup: Dedup) -> None:
 
     dead: list[str] = []
 
-    @idempotent(key="order.order_id", dedup=dedup, on_mismatch="dead_letter",
-                on_dead_letter=lambda key, _err: dead.append(key))
+    @idempotent(
+        key="order.order_id",
+        dedup=dedup,
+        on_mismatch="dead_letter",
+        on_dead_letter=lambda key, _err: dead.append(key),
+    )
     def lenient(order: Order) -> str:
         return "done"
 

@@ -25,9 +25,14 @@ def _letters(clock: ManualClock, n: int) -> list[DeadLetter]:
     processor = SendBackProcessor("CID_dlq", clock=clock)
     out = []
     for i in range(n):
-        message = MessageExt(topic="TopicTest", msg_id=f"M{i}", keys=f"ORDER_{i}",
-                             body=f"body {i}".encode(), reconsume_times=16,
-                             properties={MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: f"O{i}"})
+        message = MessageExt(
+            topic="TopicTest",
+            msg_id=f"M{i}",
+            keys=f"ORDER_{i}",
+            body=f"body {i}".encode(),
+            reconsume_times=16,
+            properties={MessageConst.PROPERTY_ORIGIN_MESSAGE_ID: f"O{i}"},
+        )
         decision = processor.process(message, error=ValueError(f"bad {i}"))
         assert isinstance(decision, DeadLettered)
         out.append(decision.letter)
@@ -45,9 +50,7 @@ def test_a_dead_letter_written_twice_is_one_row(tmp_path: Path, clock: ManualClo
     assert DeltaTable(str(tmp_path / "dlq")).metadata().name == "%DLQ%CID_dlq"
 
 
-def test_a_transaction_already_committed_writes_nothing(
-    tmp_path: Path, clock: ManualClock
-) -> None:
+def test_a_transaction_already_committed_writes_nothing(tmp_path: Path, clock: ManualClock) -> None:
     table = DeadLetterTable(str(tmp_path / "dlq"), "CID_dlq", clock=clock)
     assert table.write(_letters(clock, 2), app_id="q", txn_version=3) == 2
     version = DeltaTable(str(tmp_path / "dlq")).version()
@@ -60,7 +63,12 @@ def test_rows_carry_the_design_schema(tmp_path: Path, clock: ManualClock) -> Non
     table.write(_letters(clock, 1))
     (row,) = table.list()
     assert (row.group, row.topic, row.key, row.msg_id, row.origin_msg_id) == (
-        "CID_dlq", "TopicTest", "ORDER_0", "M0", "O0")
+        "CID_dlq",
+        "TopicTest",
+        "ORDER_0",
+        "M0",
+        "O0",
+    )
     assert row.body == b"body 0"
     assert row.reconsume_times == 16
     assert row.last_error == "ValueError: bad 0"
@@ -70,9 +78,24 @@ def test_rows_carry_the_design_schema(tmp_path: Path, clock: ManualClock) -> Non
     assert row.replayed_at_ms is None
     assert "reconsume times reached max" in row.reason
     names = DeltaTable(str(tmp_path / "dlq")).schema().to_arrow().names
-    assert names == ["group", "topic", "key", "msg_id", "origin_msg_id", "body", "properties",
-                     "reconsume_times", "first_failed_at", "dead_at", "last_error", "errors",
-                     "status", "replayed_at", "dead_date", "replayed_by"]
+    assert names == [
+        "group",
+        "topic",
+        "key",
+        "msg_id",
+        "origin_msg_id",
+        "body",
+        "properties",
+        "reconsume_times",
+        "first_failed_at",
+        "dead_at",
+        "last_error",
+        "errors",
+        "status",
+        "replayed_at",
+        "dead_date",
+        "replayed_by",
+    ]
 
 
 def test_replay_and_discard_change_status_once(tmp_path: Path, clock: ManualClock) -> None:
@@ -91,7 +114,11 @@ def test_replay_and_discard_change_status_once(tmp_path: Path, clock: ManualCloc
     assert [r.msg_id for r in table.show("O2")] == ["M2"]
     replay = by_origin["O0"].to_message()
     assert (replay.topic, replay.keys, replay.body, replay.origin_msg_id) == (
-        "TopicTest", "ORDER_0", b"body 0", "O0")
+        "TopicTest",
+        "ORDER_0",
+        b"body 0",
+        "O0",
+    )
 
 
 def test_an_absent_table_reads_as_empty(tmp_path: Path, clock: ManualClock) -> None:

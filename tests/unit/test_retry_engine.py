@@ -25,16 +25,18 @@ from idem.retry import (
 
 pytestmark = pytest.mark.unit
 
-QUICK = FaultTolerance(redis_attempts=2, fallback_attempts=2, delta_attempts=2,
-                       wait_initial_s=0.001, wait_max_s=0.002)
+QUICK = FaultTolerance(
+    redis_attempts=2, fallback_attempts=2, delta_attempts=2, wait_initial_s=0.001, wait_max_s=0.002
+)
 
 
-def _engine(tmp_path: Path, clock: ManualClock, server: fakeredis.FakeServer,
-            **kw: object) -> RetryEngine:
-    config = IdemConfig(group="CID_engine", data_dir=str(tmp_path),
-                        **kw.pop("config", {}))  # type: ignore[arg-type]
-    return RetryEngine(config, client=fakeredis.FakeRedis(server=server), clock=clock,
-                       faults=QUICK, **kw)  # type: ignore[arg-type]
+def _engine(
+    tmp_path: Path, clock: ManualClock, server: fakeredis.FakeServer, **kw: object
+) -> RetryEngine:
+    config = IdemConfig(group="CID_engine", data_dir=str(tmp_path), **kw.pop("config", {}))  # type: ignore[arg-type]
+    return RetryEngine(
+        config, client=fakeredis.FakeRedis(server=server), clock=clock, faults=QUICK, **kw
+    )  # type: ignore[arg-type]
 
 
 def _messages(n: int) -> list[MessageExt]:
@@ -120,8 +122,7 @@ def test_delta_down_acknowledges_nothing(tmp_path: Path, clock: ManualClock) -> 
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the journal should be")
     server = fakeredis.FakeServer()
-    engine = _engine(tmp_path, clock, server,
-                     config={"journal_path": str(blocker / "journal")})
+    engine = _engine(tmp_path, clock, server, config={"journal_path": str(blocker / "journal")})
     result = engine.send_back(_messages(2))
     assert [o.status for o in result.outcomes] == [SendBackStatus.RESUBMIT_LATER] * 2
     assert engine.pending() == 0  # not journaled, so not scheduled either

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.unit
 S, A = JournalEventType.SCHEDULED, JournalEventType.ACKED
 
 
-def _engine(tmp_path: Path, clock: ManualClock,
-            client: fakeredis.FakeRedis | None = None) -> RetryEngine:
+def _engine(
+    tmp_path: Path, clock: ManualClock, client: fakeredis.FakeRedis | None = None
+) -> RetryEngine:
     config = IdemConfig(group="CID_journal", data_dir=str(tmp_path))
     return RetryEngine(config, client=client or fakeredis.FakeRedis(), clock=clock)
 
@@ -107,7 +108,8 @@ def test_two_engines_share_one_journal_and_one_redis(tmp_path: Path, clock: Manu
     assert one.pending() == 9
     delivered = _drain(two, clock)
     assert sorted(m.origin_msg_id for m in delivered) == sorted(
-        f"{p}{i}" for p in "abc" for i in range(3))
+        f"{p}{i}" for p in "abc" for i in range(3)
+    )
     assert one.pending() == 0
     one.client.flushall()
     one.sync()

@@ -47,8 +47,13 @@ def _deliver_when_due(engine: RetryEngine, clock: ManualClock, due_ms: int) -> M
 @pytest.mark.parametrize("k", range(21))
 def test_message_failing_k_times(k: int, tmp_path: Path, clock: ManualClock) -> None:
     engine = _engine(tmp_path, clock)
-    original = MessageExt(topic="TopicTest", msg_id="MSG-ORIGIN", keys="ORDERID_100",
-                          body=b'{"amount": 5}', born_timestamp=clock.now_ms())
+    original = MessageExt(
+        topic="TopicTest",
+        msg_id="MSG-ORIGIN",
+        keys="ORDERID_100",
+        body=b'{"amount": 5}',
+        born_timestamp=clock.now_ms(),
+    )
     message, failures, levels, delays, retries = original, 0, [], [], 0
     while failures < k:  # the listener returns RECONSUME_LATER k times
         failures += 1
@@ -101,7 +106,11 @@ def test_level_minus_one_goes_to_the_dlq_at_once(tmp_path: Path, clock: ManualCl
     assert [o.status for o in result.outcomes] == [SendBackStatus.DEAD]
     (letter,) = engine.dlq.list()
     assert (letter.reconsume_times, letter.topic, letter.key, letter.origin_msg_id) == (
-        0, "TopicTest", "ORDERID_7", "M-1")
+        0,
+        "TopicTest",
+        "ORDERID_7",
+        "M-1",
+    )
     assert letter.last_error == "ConsumeFailed: amount is negative"
     assert engine.pending() == 0
     clock.advance(3 * 3600)

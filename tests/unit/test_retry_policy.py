@@ -20,13 +20,34 @@ from idem.retry import (
 pytestmark = pytest.mark.unit
 
 HOUR, MINUTE, SECOND = 3_600_000, 60_000, 1000
-LADDER_SECONDS = [1, 5, 10, 30, 60, 120, 180, 240, 300, 360, 420, 480, 540, 600, 1200, 1800,
-                  3600, 7200]
+LADDER_SECONDS = [
+    1,
+    5,
+    10,
+    30,
+    60,
+    120,
+    180,
+    240,
+    300,
+    360,
+    420,
+    480,
+    540,
+    600,
+    1200,
+    1800,
+    3600,
+    7200,
+]
 
 
 def _state(reconsume_times: int = 0, requested_level: int = 0, **kw: object) -> DeliveryState:
     values: dict[str, object] = {
-        "key": "K", "reconsume_times": reconsume_times, "first_seen_ms": 0, "now_ms": 0,
+        "key": "K",
+        "reconsume_times": reconsume_times,
+        "first_seen_ms": 0,
+        "now_ms": 0,
         "requested_level": requested_level,
     }
     values.update(kw)

@@ -14,8 +14,9 @@ from idem.retry import MessageExt, RetryEngine, ScheduleService
 pytestmark = pytest.mark.unit
 
 
-def _engine(tmp_path: Path, clock: ManualClock, client: fakeredis.FakeRedis | None = None,
-            **config: object) -> RetryEngine:
+def _engine(
+    tmp_path: Path, clock: ManualClock, client: fakeredis.FakeRedis | None = None, **config: object
+) -> RetryEngine:
     cfg = IdemConfig(group="CID_sched", data_dir=str(tmp_path), **config)  # type: ignore[arg-type]
     return RetryEngine(cfg, client=client or fakeredis.FakeRedis(), clock=clock)
 
@@ -84,8 +85,12 @@ def test_a_message_removed_while_scheduled_is_dropped_when_due(
 ) -> None:
     engine = _engine(tmp_path, clock)
     (outcome,) = engine.send_back(_messages(1)).outcomes
-    scheduled = MessageExt(topic="T", msg_id=outcome.new_msg_id or "", keys="K0",
-                           properties={"ORIGIN_MESSAGE_ID": "M0"})
+    scheduled = MessageExt(
+        topic="T",
+        msg_id=outcome.new_msg_id or "",
+        keys="K0",
+        properties={"ORIGIN_MESSAGE_ID": "M0"},
+    )
     engine.ack([scheduled])  # e.g. the same key completed through another copy
     assert engine.pending() == 0
     clock.advance(60)

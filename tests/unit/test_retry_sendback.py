@@ -25,8 +25,16 @@ def _processor(clock: ManualClock, **kw: object) -> SendBackProcessor:
 
 
 def _original() -> MessageExt:
-    return MessageExt(topic="TopicTest", msg_id="MSG-0", keys="ORDERID_100", body=b"{}",
-                      tags="TagA", queue_id=5, queue_offset=51, born_timestamp=42)
+    return MessageExt(
+        topic="TopicTest",
+        msg_id="MSG-0",
+        keys="ORDERID_100",
+        body=b"{}",
+        tags="TagA",
+        queue_id=5,
+        queue_offset=51,
+        born_timestamp=42,
+    )
 
 
 def test_first_failure_is_scheduled_at_level_3_in_schedule_queue_2(clock: ManualClock) -> None:
@@ -49,7 +57,11 @@ def test_first_failure_is_scheduled_at_level_3_in_schedule_queue_2(clock: Manual
     assert retry.properties[P.PROPERTY_REAL_QUEUE_ID] == "0"
     assert retry.properties[P.PROPERTY_DELAY_TIME_LEVEL] == "3"
     assert (retry.keys, retry.body, retry.tags, retry.born_timestamp) == (
-        "ORDERID_100", b"{}", "TagA", 42)
+        "ORDERID_100",
+        b"{}",
+        "TagA",
+        42,
+    )
 
 
 def test_origin_and_retry_topic_survive_every_resend(clock: ManualClock) -> None:
@@ -78,7 +90,11 @@ def test_negative_level_dead_letters_at_once(clock: ManualClock) -> None:
     assert isinstance(decision, DeadLettered)
     letter = decision.letter
     assert (letter.topic, letter.key, letter.origin_msg_id, letter.reconsume_times) == (
-        "TopicTest", "ORDERID_100", "MSG-0", 0)
+        "TopicTest",
+        "ORDERID_100",
+        "MSG-0",
+        0,
+    )
     assert letter.last_error == "ConsumeFailed: bad key"
     assert "delay level < 0" in letter.reason
 

@@ -48,7 +48,9 @@ def test_reconsume_later_sends_back_everything_whatever_ack_index_says() -> None
 
 def test_broadcasting_drops_failures_instead_of_retrying() -> None:
     result = split_consume_result(
-        BATCH, ConsumeConcurrentlyStatus.RECONSUME_LATER, ConsumeConcurrentlyContext(),
+        BATCH,
+        ConsumeConcurrentlyStatus.RECONSUME_LATER,
+        ConsumeConcurrentlyContext(),
         MessageModel.BROADCASTING,
     )
     assert result.send_back == ()
@@ -64,8 +66,10 @@ def test_an_exception_or_none_from_the_listener_means_reconsume_later() -> None:
     assert run_listener(lambda _m, _c: None, BATCH, context) is (
         ConsumeConcurrentlyStatus.RECONSUME_LATER
     )
-    assert run_listener(lambda _m, _c: ConsumeConcurrentlyStatus.CONSUME_SUCCESS, BATCH,
-                        context) is ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+    assert (
+        run_listener(lambda _m, _c: ConsumeConcurrentlyStatus.CONSUME_SUCCESS, BATCH, context)
+        is ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+    )
 
 
 def test_listener_sets_the_delay_level_on_the_context() -> None:
@@ -81,19 +85,24 @@ def test_listener_sets_the_delay_level_on_the_context() -> None:
 def test_orderly_retries_locally_then_dead_letters() -> None:
     young = MessageExt(topic="t", msg_id="a", reconsume_times=3)
     old = MessageExt(topic="t", msg_id="b", reconsume_times=16)
-    ok = orderly_outcome([young], ConsumeOrderlyStatus.SUCCESS, ConsumeOrderlyContext(),
-                         max_reconsume_times=16)
+    ok = orderly_outcome(
+        [young], ConsumeOrderlyStatus.SUCCESS, ConsumeOrderlyContext(), max_reconsume_times=16
+    )
     assert ok.action is OrderlyAction.COMMIT
     suspended = orderly_outcome(
-        [young], ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT, ConsumeOrderlyContext(),
+        [young],
+        ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT,
+        ConsumeOrderlyContext(),
         max_reconsume_times=16,
     )
     assert suspended.action is OrderlyAction.SUSPEND
     assert suspended.suspend_ms == 1000
     assert suspended.retry[0].reconsume_times == 4
     dead = orderly_outcome(
-        [old], ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT,
-        ConsumeOrderlyContext(suspend_current_queue_time_millis=50), max_reconsume_times=16,
+        [old],
+        ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT,
+        ConsumeOrderlyContext(suspend_current_queue_time_millis=50),
+        max_reconsume_times=16,
     )
     assert dead.action is OrderlyAction.DEAD_LETTER
     assert dead.dead == (old,)

@@ -23,7 +23,10 @@ pytestmark = pytest.mark.unit
 
 def test_timeup_lands_in_the_real_topic_and_reset_restores_the_original() -> None:
     scheduled = MessageExt(
-        topic=SCHEDULE_TOPIC, msg_id="N", queue_id=2, reconsume_times=1,
+        topic=SCHEDULE_TOPIC,
+        msg_id="N",
+        queue_id=2,
+        reconsume_times=1,
         properties={
             MessageConst.PROPERTY_REAL_TOPIC: "%RETRY%g",
             MessageConst.PROPERTY_REAL_QUEUE_ID: "0",
@@ -33,7 +36,11 @@ def test_timeup_lands_in_the_real_topic_and_reset_restores_the_original() -> Non
     )
     landed = message_timeup(scheduled, queue_offset=51, store_timestamp=7)
     assert (landed.topic, landed.queue_id, landed.queue_offset, landed.store_timestamp) == (
-        "%RETRY%g", 0, 51, 7)
+        "%RETRY%g",
+        0,
+        51,
+        7,
+    )
     for name in ("REAL_TOPIC", "REAL_QID", "DELAY"):
         assert name not in landed.properties
     assert reset_retry_topic(landed, "g").topic == "TopicTest"
@@ -45,8 +52,10 @@ def test_timeup_lands_in_the_real_topic_and_reset_restores_the_original() -> Non
 def test_range_reads_what_a_stream_source_plans(tmp_path: Path, clock: ManualClock) -> None:
     config = IdemConfig(group="CID_topic", data_dir=str(tmp_path))
     engine = RetryEngine(config, client=fakeredis.FakeRedis(), clock=clock)
-    engine.send_back([MessageExt(topic="TopicTest", msg_id=f"M{i}", keys=f"K{i}")
-                      for i in range(5)], delay_level=1)
+    engine.send_back(
+        [MessageExt(topic="TopicTest", msg_id=f"M{i}", keys=f"K{i}") for i in range(5)],
+        delay_level=1,
+    )
     clock.advance(1)
     assert engine.tick() == 5
     ids = [entry[0].decode() for entry in engine.client.xrange(engine.store.keys.stream)]

@@ -11,6 +11,7 @@ from typing import Any
 from deltalake import DeltaTable
 
 from idem.config import IdemConfig
+from idem.ledger import read_table
 from idem.retry.dlq import DeadLetter, DeadLetterTable
 
 
@@ -34,13 +35,13 @@ def write_files(directory: Path, batches: Iterable[Iterable[Mapping[str, Any]]])
 
 def sink_key_counts(path: str | Path) -> Counter[str]:
     """How often each key is in a Delta sink table."""
-    keys = DeltaTable(str(path)).to_pyarrow_table(columns=["key"]).column("key").to_pylist()
+    keys = read_table(DeltaTable(str(path)), ["key"]).column("key").to_pylist()
     return Counter(str(k) for k in keys)
 
 
 def sink_rows(path: str | Path) -> list[dict[str, Any]]:
     """Every row of a Delta sink table."""
-    rows: list[dict[str, Any]] = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    rows: list[dict[str, Any]] = read_table(DeltaTable(str(path))).to_pylist()
     return rows
 
 

@@ -326,9 +326,12 @@ def test_fingerprints_keep_sparks_hex_form_and_copies_share_a_message_id(
     sink.query_id = "q"
     sink.process(_df(spark, "A", "B"), 0)
     rows = {r["key"]: r for r in sink_rows(tmp_path / "orders")}
-    expected = _df(spark, "A", "B").select(
-        "order_id", F.hex(fingerprint_hash(SCHEMA)).alias("fp")
-    ).toArrow().to_pylist()
+    expected = (
+        _df(spark, "A", "B")
+        .select("order_id", F.hex(fingerprint_hash(SCHEMA)).alias("fp"))
+        .toArrow()
+        .to_pylist()
+    )
     assert {r["order_id"]: r["fp"] for r in expected} == {
         k: r["fingerprint"] for k, r in rows.items()
     }

@@ -120,9 +120,17 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
 
 def _letter(i: int) -> DeadLetter:
     return DeadLetter(
-        group="old", topic="orders", key=f"ORDERID_{i}", msg_id=f"M{i}", origin_msg_id=f"O{i}",
-        body=b"{}", properties={}, reconsume_times=16, first_failed_at_ms=1_700_000_000_000,
-        dead_at_ms=1_700_000_060_000, last_error="ValueError: bad",
+        group="old",
+        topic="orders",
+        key=f"ORDERID_{i}",
+        msg_id=f"M{i}",
+        origin_msg_id=f"O{i}",
+        body=b"{}",
+        properties={},
+        reconsume_times=16,
+        first_failed_at_ms=1_700_000_000_000,
+        dead_at_ms=1_700_000_060_000,
+        last_error="ValueError: bad",
     )
 
 
@@ -151,7 +159,10 @@ def test_a_dlq_table_from_before_replayed_by_stays_readable_and_records_who(
     assert (by_id["M0"].status, by_id["M0"].replayed_by) == (DeadLetterStatus.REPLAYED, "alice@ops")
     assert by_id["M0"].replayed_at_ms is not None
     assert (by_id["M1"].status, by_id["M1"].replayed_by, by_id["M1"].replayed_at_ms) == (
-        DeadLetterStatus.DISCARDED, "bob@ops", 1_700_000_120_000)
+        DeadLetterStatus.DISCARDED,
+        "bob@ops",
+        1_700_000_120_000,
+    )
     assert (by_id["M2"].status, by_id["M2"].replayed_by) == (DeadLetterStatus.DEAD, None)
     assert DeltaTable(path).schema().to_arrow().names[-1] == "replayed_by"
 

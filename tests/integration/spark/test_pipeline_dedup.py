@@ -55,7 +55,10 @@ def test_duplicates_in_a_batch_across_batches_and_across_files_reach_the_sink_on
         max_files_per_trigger=1,
     )
     pipeline = Pipeline(
-        spark, config, spec, sink_fn=collect if sink_kind == "function" else None,
+        spark,
+        config,
+        spec,
+        sink_fn=collect if sink_kind == "function" else None,
         client=real_redis,
     )
     report = pipeline.run()
