@@ -141,12 +141,13 @@ class Dedup:
         dups: dict[str, str] = {}
         busy: list[str] = []
         pending: Mapping[int, Sequence[str]] = grouped
-        version = -1
+        version: int | None = None  # the first round's: every claimed bucket had reached it
         for _ in range(_MAX_INDEX_ROUNDS):
             if not pending:
                 break
-            version = self.catch_up(pending.keys())
-            result = self.hot.claim(pending, owner, min_version=version)
+            reached = self.catch_up(pending.keys())
+            version = reached if version is None else version
+            result = self.hot.claim(pending, owner, min_version=reached)
             claimed += result.claimed
             retaken += result.retaken
             reclaimed += result.reclaimed
@@ -168,7 +169,7 @@ class Dedup:
             stale_buckets=frozenset(),
             reclaimed=reclaimed,
         )
-        return merged, version
+        return merged, -1 if version is None else version
 
     def _strict_recheck(
         self,
@@ -260,7 +261,11 @@ class Dedup:
         window = self.config.dedup_window_ms if strict else 2 * self.config.lease_ms
         app = app_id or f"idem:{self.config.group}:{claim.owner}"
         result = self.ledger.commit(
-            rows, app_id=app, txn_version=batch_id, match_since_ms=now - window
+            rows,
+            app_id=app,
+            txn_version=batch_id,
+            match_since_ms=now - window,
+            match_after_version=None if strict else claim.ledger_version,
         )
         if result.replayed:
             return self._complete_replayed(

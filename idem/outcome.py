@@ -55,6 +55,9 @@ class BatchClaim:
     Both are possible repeats for a sink that is not the ledger.
     ``mismatched`` are duplicates whose payload fingerprint differs from the
     completed one; ``stored_fingerprints`` holds the completed one for each.
+    ``ledger_version``: every claimed key's bucket index had reached this
+    ledger version, so only later versions can hold a key claimed as fresh
+    (the commit checks just those; ``-1`` checks them all).
     """
 
     owner: str

@@ -94,11 +94,20 @@ class Ledger(Protocol):
         ...
 
     def commit(
-        self, rows: pa.Table, *, app_id: str, txn_version: int, match_since_ms: int | None
+        self,
+        rows: pa.Table,
+        *,
+        app_id: str,
+        txn_version: int,
+        match_since_ms: int | None,
+        match_after_version: int | None = None,
     ) -> CommitResult:
         """Insert the rows whose ``(bucket, key)`` is not in the ledger since ``match_since_ms``.
 
-        ``None`` means strict mode: match against the whole dedup window. A
+        ``None`` means strict mode: match against the whole dedup window.
+        ``match_after_version`` (index mode) says the claim's Redis index had
+        every version up to it; an engine may then match only the keys later
+        versions added instead of the rows since ``match_since_ms``. A
         batch whose ``(app_id, txn_version)`` is already committed is a replay
         and commits nothing. Rows without ``completed_at`` get the ledger
         clock's now; columns the ledger does not know are written too (a sink

@@ -85,9 +85,18 @@ class SparkDeltaLedger:
         return int(self._table().history(1).select("version").head()[0])
 
     def commit(
-        self, rows: pa.Table, *, app_id: str, txn_version: int, match_since_ms: int | None
+        self,
+        rows: pa.Table,
+        *,
+        app_id: str,
+        txn_version: int,
+        match_since_ms: int | None,
+        match_after_version: int | None = None,
     ) -> CommitResult:
-        """Insert-only MERGE on ``(bucket, key)`` restricted to recent rows, once per txn."""
+        """Insert-only MERGE on ``(bucket, key)`` restricted to recent rows, once per txn.
+
+        ``match_after_version`` is not used: this engine always MERGEs.
+        """
         conflicts = _conflict_exceptions()
         now = self._clock.now_ms()
         table = conform(rows, now_ms=now)

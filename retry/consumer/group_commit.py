@@ -74,6 +74,8 @@ class CommitItem:
     keys: list[str]
     prints: list[str]
     messages: list[MessageExt]
+    ledger_version: int = -1
+    """The claim's ``ledger_version``: the commit checks only the versions after it."""
     deferred: Deferred = field(default_factory=Deferred)
     outcome: CommitOutcome | None = None
     """Set (before :attr:`deferred` resolves) when the commit succeeded."""
@@ -236,6 +238,7 @@ class GroupCommitter:
             duplicates={},
             busy=(),
             invalid=(),
+            ledger_version=min(item.ledger_version for item in batch),
         )
         meta = pa.table(
             {

@@ -393,6 +393,7 @@ class DedupMiddleware:
             keys=[claim.keys[k] or "" for k in done_k],
             prints=[claim.fingerprints[k] for k in done_k],
             messages=[messages[here[k]] for k in done_k],
+            ledger_version=claim.ledger_version,
         )
         try:
             deferred = self.committer.submit(item)

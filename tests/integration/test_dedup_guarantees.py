@@ -302,6 +302,33 @@ def test_a_key_taken_over_from_an_expired_lease_is_reported_reclaimed(
     assert taken.counts.reclaimed == 5
 
 
+def test_claims_lost_in_a_failover_still_reach_the_ledger_once(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """DESIGN §1's narrow hole: both sinks run, but the ledger keeps each key once."""
+    client = redis_server.client()
+    client.flushall()
+    a, b = Dedup(_config(tmp_path, redis_server.url)), Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(200)]
+    first = a.begin(keys, owner="worker-a:1")
+    # A failover to a replica that lacks these claims (and nothing else).
+    lost = list(client.scan_iter("idem:*:k:*"))
+    assert len(lost) == 200
+    client.delete(*lost)
+    second = b.begin(keys, owner="worker-b:1")
+    assert len(first.fresh) == len(second.fresh) == 200  # the hole: both would run the sink
+
+    done_a = a.complete(first, batch_id=1, app_id="test:a")
+    done_b = b.complete(second, batch_id=1, app_id="test:b")
+    assert done_a.committed == 200
+    assert (done_b.committed, sorted(done_b.slipped)) == (0, sorted(keys))
+    assert a.ledger.audit() == []
+    assert len(a.ledger.existing(keys, since_ms=None)) == 200
+    again = a.begin(keys, owner="worker-a:2")
+    assert again.fresh == ()
+    assert len(again.duplicates) == 200
+
+
 class _Later:
     """A clock ``ms`` ahead of another."""
 
