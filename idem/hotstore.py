@@ -3,7 +3,7 @@
 Redis is an index over the Delta ledger. Every bucket of a group has its own hash
 tag, so a bucket lives in one Redis Cluster slot::
 
-    idem:{<group>:<bucket>}:k:<key>            P|<owner>|<lease_until_ms>|<attempt>  a claim
+    idem:{<group>:<bucket>}:p:<width>:<pgen>   hash: <key> -> P|<owner>|<lease_until_ms>|<attempt>
     idem:{<group>:<bucket>}:c:<window>:<gen>   hash: <key> -> <fingerprint>|<completed_at_ms>
     idem:{<group>:<bucket>}:wm                 "<version>|<window>": every ledger version
                                                <= version is indexed here, for this window
@@ -11,10 +11,15 @@ tag, so a bucket lives in one Redis Cluster slot::
 COMPLETED keys live in generation hashes (``gen = completed_at // window``, TTL to
 the end of the next generation), so a key is COMPLETED exactly while
 ``completed_at + window > now`` and the current and previous generations hold every
-live one. Claims and completions of a whole chunk then cost a few C-level
-commands (HMGET, HSET, MGET, DEL) instead of one command per key, the keyspace
-does not grow with the window (millions of TTL'd top-level keys make every
-Redis command slower), and the index takes about half the memory.
+live one. Claims live in generation hashes as well (``pgen = claimed_at //
+CLAIM_GEN_MS``; the ``ceil(lease / CLAIM_GEN_MS)`` generations before the current
+one hold every live lease, and a claim hash expires when it leaves that range),
+so an abandoned claim is remembered (a replay re-takes it, another owner takes it
+over as ``reclaimed``) for at least an hour and at most until its hash expires.
+Claims and completions of a whole chunk then cost a few C-level commands
+(HMGET, HSET, HDEL) instead of one command per key, the keyspace does not grow
+with the window or the batch (millions of TTL'd top-level keys make every Redis
+command slower), and the index takes about half the memory.
 
 A missing watermark means the bucket's index is unknown (FLUSHALL, empty restart):
 claims there answer "stale", never "new", until :meth:`RedisHotStore.index_completed`
@@ -66,6 +71,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+CLAIM_GEN_MS = 3_600_000
+"""Width of a claim generation (one hash per bucket): the least time a claim is remembered."""
 CLAIM_CHUNK = 1_000  # keys per claim/release/lookup call (1k-2k measured best)
 COMPLETE_CHUNK = 1_000  # keys per complete call
 INDEX_CHUNK = 5_000  # keys per ledger-load call
@@ -130,7 +137,8 @@ class RedisHotStore:
         self.completed_ttl_ms = completed_ttl_ms
         self.clock = clock
         tags = [f"idem:{{{group}:{bucket}}}" for bucket in range(buckets)]
-        self._prefix = [f"{tag}:k:" for tag in tags]
+        self._span = -(-lease_ms // CLAIM_GEN_MS)  # older claim generations a live lease may sit in
+        self._claim_gens = f"{CLAIM_GEN_MS}:{self._span}"
         self._window = str(completed_ttl_ms)
         self._wm = [f"{tag}:wm" for tag in tags]
         self._tags = tags
@@ -161,9 +169,10 @@ class RedisHotStore:
 
     # -- names -------------------------------------------------------------------------
 
-    def key_name(self, key: str) -> str:
-        """The Redis name of a business key (its bucket computed here)."""
-        return self._prefix[bucket_of(key, self.buckets)] + key
+    def claim_hash(self, key: str) -> str:
+        """The Redis hash a claim of ``key`` made now goes to (the field is the key)."""
+        tag = self._tags[bucket_of(key, self.buckets)]
+        return f"{tag}:p:{CLAIM_GEN_MS}:{self.clock.now_ms() // CLAIM_GEN_MS}"
 
     def watermark_name(self, bucket: int) -> str:
         """The Redis name of a bucket's watermark."""
@@ -213,8 +222,7 @@ class RedisHotStore:
         reported stale.
         """
         self._owner(owner)
-        gc_ms = self.lease_ms + self.completed_ttl_ms  # abandoned claims do not live forever
-        head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), str(gc_ms)]
+        head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), self._claim_gens]
         head_tail += [_version("min_version", min_version), self._window]
         pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[int, list[str]]] = []
@@ -285,7 +293,9 @@ class RedisHotStore:
             self._bucket(bucket)
         now = self.clock.now_ms()
         at = now if completed_at_ms is None else completed_at_ms
-        head_tail = [owner, str(now), "0", str(at), _version("version", version), self._window]
+        head_tail = [
+            owner, str(now), self._claim_gens, str(at), _version("version", version), self._window
+        ]  # fmt: skip
         token = uuid.uuid4().hex
         pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
@@ -327,7 +337,7 @@ class RedisHotStore:
         calls = 0
         for bucket, keys in keys_by_bucket.items():
             self._bucket(bucket)
-            head = [self._tags[bucket], owner]
+            head = [self._tags[bucket], owner, str(self.clock.now_ms()), self._claim_gens]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
                 self._release(keys=[self._wm[bucket]], args=head + list(chunk), client=pipe)
@@ -345,23 +355,26 @@ class RedisHotStore:
         """
         now = self.clock.now_ms()
         gen = now // self.completed_ttl_ms
+        pgen = now // CLAIM_GEN_MS
         pipe = self.client.pipeline(transaction=False)
         plan: list[Sequence[str]] = []
         for bucket, keys in keys_by_bucket.items():
             tag = self._tags[self._bucket(bucket)]
             hashes = [f"{tag}:c:{self._window}:{g}" for g in (gen, gen - 1)]
+            hashes += [f"{tag}:p:{CLAIM_GEN_MS}:{pgen - i}" for i in range(self._span + 1)]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = list(keys[start : start + CLAIM_CHUNK])
                 for name in hashes:
                     pipe.hmget(name, chunk)
-                pipe.mget([f"{tag}:k:{key}" for key in chunk])
                 plan.append(chunk)
         replies = self._run(pipe, "lookup") if plan else []
+        per_chunk = 3 + self._span
         states: dict[str, KeyState] = {}
         for n, asked in enumerate(plan):
-            cur, prev, claims = replies[3 * n : 3 * n + 3]
-            for key, *values in zip(asked, cur, prev, claims, strict=True):
-                states[key] = self._state(now, *values)
+            cur, prev, *claims = replies[per_chunk * n : per_chunk * (n + 1)]
+            for i, key in enumerate(asked):
+                claim = next((c[i] for c in claims if c[i] is not None), None)
+                states[key] = self._state(now, cur[i], prev[i], claim)
         return states
 
     def _state(self, now: int, cur: Any, prev: Any, claim: Any) -> KeyState:

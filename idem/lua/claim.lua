@@ -5,8 +5,7 @@
 -- ARGV[2]  now_ms (from the caller's clock, never Redis TIME)
 -- ARGV[3]  owner token (no '|')
 -- ARGV[4]  lease_ms
--- ARGV[5]  gc_ms: PX of a claim (lease + dedup window), so abandoned claims do
---          not live forever; the lease itself is the value's lease_until
+-- ARGV[5]  claim generations "<width_ms>:<span>" (see below)
 -- ARGV[6]  min_version: the ledger version the bucket's index must have reached
 -- ARGV[7]  window_ms: the dedup window (also names the completed generations)
 -- ARGV[8..] business keys (every name built here from ARGV[1] shares the hash
@@ -15,8 +14,14 @@
 -- Layout: COMPLETED keys live in generation hashes  <tag>:c:<window>:<gen>
 -- (field = key, value = <fingerprint>|<completed_at_ms>, gen = completed_at div
 -- window); a key is COMPLETED while completed_at + window > now, so the current
--- and the previous generation hold every live one. Claims are plain keys
---   <tag>:k:<key>  P|<owner>|<lease_until_ms>|<attempt>
+-- and the previous generation hold every live one. Claims live in generation
+-- hashes too:  <tag>:p:<width>:<pgen>  field = key, value =
+-- P|<owner>|<lease_until_ms>|<attempt>, pgen = claimed_at div width. span =
+-- ceil(lease / width), so generations pgen-span .. pgen hold every live lease
+-- (newest first: a renewed claim is moved to the current generation). A claim
+-- hash expires when it leaves that range, so an abandoned claim is remembered
+-- (as R or X below) for at least width. Every lookup and write is one C-level
+-- command per chunk and hash (HMGET, HSET, HDEL), none per key.
 --
 -- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
 --
@@ -29,7 +34,6 @@
 --   B  IN_PROGRESS by another owner, lease live -> busy, untouched
 --   D  COMPLETED                       -> duplicate; its fingerprint is appended to the reply
 -- Errors: a claim value that is not P|... aborts with an error reply.
--- Needs Redis >= 7.0 (SET with both NX and GET).
 
 local wm = redis.call('GET', KEYS[1])
 if not wm then
@@ -44,26 +48,44 @@ local tag = ARGV[1]
 local now = tonumber(ARGV[2])
 local owner = ARGV[3]
 local lease_until = string.format('%d', now + tonumber(ARGV[4]))
-local gc_ms = ARGV[5]
+local pwidth, span = string.match(ARGV[5], '^(%d+):(%d+)$')
+pwidth, span = tonumber(pwidth), tonumber(span)
 local width = tonumber(window)
 local gen = math.floor(now / width)
 local head = 'P|' .. owner .. '|'
 local fresh = head .. lease_until .. '|1'
-local claims = tag .. ':k:'
 
--- Two C-level lookups for the whole chunk (not one call per key).
 local keys = {}
 for i = 8, #ARGV do
   keys[#keys + 1] = ARGV[i]
 end
+local n = #keys
 local current = tag .. ':c:' .. window .. ':' .. gen
 local previous = tag .. ':c:' .. window .. ':' .. (gen - 1)
 local cur = gathered(keys, function(...) return redis.call('HMGET', current, ...) end)
 local prev = gathered(keys, function(...) return redis.call('HMGET', previous, ...) end)
 
+-- The claim generations, newest first; held[j] / where[j]: a key's newest claim.
+local pgen = math.floor(now / pwidth)
+local hashes = {}
+for i = 0, span do
+  hashes[i + 1] = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+end
+local held, where = {}, {}
+for i = 1, #hashes do
+  local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
+  for j = 1, n do
+    if values[j] and not held[j] then
+      held[j], where[j] = values[j], i
+    end
+  end
+end
+
 local reply = {1, ''}
 local codes = {}
-for j = 1, #ARGV - 7 do
+local writes = {}
+local moved = {}  -- per older generation: keys whose renewed claim now lives in the current one
+for j = 1, n do
   local done = false
   local stored = cur[j] or prev[j]
   if stored then
@@ -75,28 +97,40 @@ for j = 1, #ARGV - 7 do
     end
   end
   if not done then
-    local name = claims .. ARGV[j + 7]
-    -- One command for the common case (a new key): SET NX GET writes only when
-    -- absent and hands back what was there otherwise.
-    local value = redis.call('SET', name, fresh, 'NX', 'GET', 'PX', gc_ms)
+    local value = held[j]
+    local write = nil
     if not value then
-      codes[j] = 'N'
+      codes[j], write = 'N', fresh
     else
       local holder, until_ms, attempt = string.match(value, '^P|([^|]*)|(%d+)|(%d+)$')
       if not holder then
-        return redis.error_reply('idem: unrecognised value at ' .. name)
+        return redis.error_reply('idem: unrecognised value of the claim of ' .. keys[j] .. ' in ' .. hashes[where[j]])
       end
       if holder == owner then
-        redis.call('SET', name, head .. lease_until .. '|' .. attempt, 'PX', gc_ms)
-        codes[j] = 'R'
+        codes[j], write = 'R', head .. lease_until .. '|' .. attempt
       elseif tonumber(until_ms) > now then
         codes[j] = 'B'
       else
-        redis.call('SET', name, head .. lease_until .. '|' .. (tonumber(attempt) + 1), 'PX', gc_ms)
-        codes[j] = 'X'
+        codes[j], write = 'X', head .. lease_until .. '|' .. (tonumber(attempt) + 1)
+      end
+      if write and where[j] > 1 then
+        local list = moved[where[j]] or {}
+        list[#list + 1] = keys[j]
+        moved[where[j]] = list
       end
     end
+    if write then
+      writes[#writes + 1] = keys[j]
+      writes[#writes + 1] = write
+    end
   end
+end
+if #writes > 0 then
+  sliced(writes, function(...) redis.call('HSET', hashes[1], ...) end)
+  redis.call('PEXPIRE', hashes[1], string.format('%d', (pgen + span + 1) * pwidth - now))
+end
+for i, list in pairs(moved) do
+  sliced(list, function(...) redis.call('HDEL', hashes[i], ...) end)
 end
 reply[2] = table.concat(codes)
 return reply

@@ -7,7 +7,7 @@
 -- ARGV[1]  hash tag of the bucket      idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms (caller's clock)
--- ARGV[4]  (unused, kept for the argument layout)
+-- ARGV[4]  claim generations "<width_ms>:<span>" (see claim.lua)
 -- ARGV[5]  completed_at_ms
 -- ARGV[6]  version: the ledger version that holds these keys
 -- ARGV[7]  window_ms: the dedup window
@@ -24,10 +24,11 @@
 --
 -- Per key (see claim.lua for the layout): the key becomes COMPLETED — field
 -- <key> = <fingerprint>|<completed_at> in the generation hash of completed_at,
--- whose TTL runs to the end of the next generation — and its claim is deleted,
--- when the claim is absent, this owner's, or another owner's with an expired
--- lease. A key another owner holds with a live lease is fenced: nothing is
--- written for it. Three C-level calls per chunk (MGET, HSET, DEL), none per key.
+-- whose TTL runs to the end of the next generation — and its claim is deleted
+-- from every claim generation, when the newest claim is absent, this owner's,
+-- or another owner's with an expired lease. A key another owner holds with a
+-- live lease is fenced: nothing is written for it. C-level calls per chunk and
+-- hash (HMGET, HSET, HDEL), none per key.
 -- The watermark moves to max(wm, version) only if it exists for this window,
 -- wm >= version - 1 and no key of the bucket was fenced.
 --
@@ -46,35 +47,46 @@ local width = tonumber(window)
 
 if mode ~= 'end' and #ARGV > 9 then
   local tag = ARGV[1]
-  local claims = tag .. ':k:'
   local own = 'P|' .. ARGV[2] .. '|'
   local at = tonumber(ARGV[5])
   local tail = '|' .. ARGV[5]
   local n = (#ARGV - 9) / 2
-  local names = {}
+  local keys = {}
   for j = 1, n do
-    names[j] = claims .. ARGV[j + 9]
+    keys[j] = ARGV[j + 9]
   end
-  local values = gathered(names, function(...) return redis.call('MGET', ...) end)
+  local pwidth, span = string.match(ARGV[4], '^(%d+):(%d+)$')
+  pwidth, span = tonumber(pwidth), tonumber(span)
+  local pgen = math.floor(now / pwidth)
+  local hashes, held, found = {}, {}, {}
+  for i = 0, span do
+    local hash = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+    hashes[i + 1] = hash
+    local values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
+    found[i + 1] = values
+    for j = 1, n do
+      if values[j] and not held[j] then
+        held[j] = values[j]
+      end
+    end
+  end
   local fields = {}
-  local drop = {}
+  local mine_keys = {}
   for j = 1, n do
-    local value = values[j]
+    local value = held[j]
     local mine = true
     if value and string.find(value, own, 1, true) ~= 1 then
       local until_ms = tonumber(string.match(value, '^P|[^|]*|(%d+)|'))
       if until_ms == nil then
-        return redis.error_reply('idem: unrecognised value at ' .. names[j])
+        return redis.error_reply('idem: unrecognised value of the claim of ' .. keys[j])
       end
       mine = until_ms <= now
     end
     if mine then
       codes[j] = 'C'
-      fields[#fields + 1] = ARGV[j + 9]
+      fields[#fields + 1] = keys[j]
       fields[#fields + 1] = ARGV[j + 9 + n] .. tail
-      if value then
-        drop[#drop + 1] = names[j]
-      end
+      mine_keys[j] = true
     else
       codes[j] = 'F'
       fenced = true
@@ -87,8 +99,16 @@ if mode ~= 'end' and #ARGV > 9 then
     sliced(fields, function(...) redis.call('HSET', hash, ...) end)
     redis.call('PEXPIRE', hash, string.format('%d', px))
   end
-  if #drop > 0 then
-    sliced(drop, function(...) redis.call('DEL', ...) end)
+  for i = 1, #hashes do
+    local drop = {}
+    for j = 1, n do
+      if mine_keys[j] and found[i][j] then
+        drop[#drop + 1] = keys[j]
+      end
+    end
+    if #drop > 0 then
+      sliced(drop, function(...) redis.call('HDEL', hashes[i], ...) end)
+    end
   end
 end
 

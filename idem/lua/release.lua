@@ -4,33 +4,49 @@
 --          bucket's cluster slot, which every name built from ARGV[1] shares)
 -- ARGV[1]  hash tag of the bucket   idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
--- ARGV[3..] business keys
+-- ARGV[3]  now_ms (caller's clock)
+-- ARGV[4]  claim generations "<width_ms>:<span>" (see claim.lua)
+-- ARGV[5..] business keys
 --
--- A claim (<tag>:k:<key>, see claim.lua) is deleted only while this owner holds
--- it (live or expired lease); COMPLETED keys live elsewhere and other owners'
--- claims are never touched. One MGET and at most one DEL per call.
+-- A claim (field <key> of a claim generation hash, see claim.lua) is deleted
+-- only while this owner holds it (live or expired lease); COMPLETED keys live
+-- elsewhere and other owners' claims are never touched. One HMGET and at most
+-- one HDEL per claim generation.
 -- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns the number of keys released.
 
-local claims = ARGV[1] .. ':k:'
+local tag = ARGV[1]
 local head = 'P|' .. ARGV[2] .. '|'
-local names = {}
-for i = 3, #ARGV do
-  names[#names + 1] = claims .. ARGV[i]
+local now = tonumber(ARGV[3])
+local pwidth, span = string.match(ARGV[4], '^(%d+):(%d+)$')
+pwidth, span = tonumber(pwidth), tonumber(span)
+local keys = {}
+for i = 5, #ARGV do
+  keys[#keys + 1] = ARGV[i]
 end
-if #names == 0 then
+if #keys == 0 then
   return 0
 end
-local values = gathered(names, function(...) return redis.call('MGET', ...) end)
-local drop = {}
-for j = 1, #names do
-  local value = values[j]
-  if value and string.find(value, head, 1, true) == 1 then
-    drop[#drop + 1] = names[j]
+local pgen = math.floor(now / pwidth)
+local released = {}
+local count = 0
+for i = 0, span do
+  local hash = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+  local values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
+  local drop = {}
+  for j = 1, #keys do
+    local value = values[j]
+    if value and string.find(value, head, 1, true) == 1 then
+      drop[#drop + 1] = keys[j]
+      if not released[j] then
+        released[j] = true
+        count = count + 1
+      end
+    end
+  end
+  if #drop > 0 then
+    sliced(drop, function(...) redis.call('HDEL', hash, ...) end)
   end
 end
-if #drop > 0 then
-  sliced(drop, function(...) redis.call('DEL', ...) end)
-end
-return #drop
+return count

@@ -102,9 +102,10 @@ def test_strict_mode_checks_the_ledger_even_when_redis_forgot(
 ) -> None:
     dd = _dedup(tmp_path, any_redis, clock, mode="strict")
     dd.complete(dd.begin(["A"], owner="q:0"), batch_id=0)
-    # forget only the key, keep the watermark: the index is now silently incomplete
-    for name in any_redis.scan_iter("idem:*:k:*"):
-        any_redis.delete(name)
+    # forget the completed keys, keep the watermark: the index is now silently incomplete
+    forgotten = list(any_redis.scan_iter("idem:*:c:*"))
+    assert forgotten
+    any_redis.delete(*forgotten)
     again = dd.begin(["A", "B"], owner="q:1")
     assert again.fresh_keys() == ["B"]
     assert again.duplicates == {0: DuplicateCause.COMPLETED}

@@ -158,7 +158,7 @@ def test_any_text_is_a_key_and_an_empty_fingerprint_is_kept(store: RedisHotStore
     store.claim(by_bucket(odd), "a", min_version=-1)
     store.complete(by_bucket(odd), "a", dict.fromkeys(odd, ""), version=0)
     assert store.claim(by_bucket(odd), "b", min_version=0).duplicates == dict.fromkeys(odd, "")
-    assert store.key_name("{other-tag}").startswith("idem:{orders:")
+    assert store.claim_hash("{other-tag}").startswith("idem:{orders:")
 
 
 # -- completion and fencing ------------------------------------------------------------
@@ -231,15 +231,20 @@ def test_completed_keys_do_not_outlive_two_windows_in_redis(
     assert hashes  # the keys are held in generation hashes, each with a TTL ...
     for name in hashes:
         assert 0 < any_redis.pttl(name) <= 2 * WINDOW_MS  # ... of at most two windows
-    assert not list(any_redis.scan_iter("idem:*:k:*"))  # and no claim is left behind
+    assert not list(any_redis.scan_iter("idem:*:p:*"))  # and no claim is left behind
 
 
-def test_a_claim_does_not_outlive_lease_and_window(
-    any_redis: redis.Redis, store: RedisHotStore
+def test_an_abandoned_claim_is_remembered_for_an_hour_and_then_forgotten(
+    any_redis: redis.Redis, store: RedisHotStore, clock: ManualClock
 ) -> None:
     store.claim(by_bucket(["abandoned"]), "a", min_version=-1)
-    ttl = any_redis.pttl(store.key_name("abandoned"))
-    assert WINDOW_MS < ttl <= LEASE_MS + WINDOW_MS
+    ttl = any_redis.pttl(store.claim_hash("abandoned"))
+    assert LEASE_MS < ttl <= 2 * hotstore.CLAIM_GEN_MS  # its hash outlives the lease, not more
+    clock.advance(2 * LEASE_MS / 1000)  # the lease has expired: another owner takes it over
+    assert store.claim(by_bucket(["abandoned"]), "b", min_version=-1).reclaimed == ["abandoned"]
+    clock.advance(3 * hotstore.CLAIM_GEN_MS / 1000)  # b abandons it too, hours pass
+    again = store.claim(by_bucket(["abandoned"]), "c", min_version=-1)
+    assert (again.claimed, again.reclaimed) == (["abandoned"], [])  # a plain new claim now
 
 
 def test_big_completions_are_chunked_and_fenced_as_a_whole(
@@ -458,14 +463,17 @@ def test_keys_of_a_bucket_share_one_cluster_slot(
     store.complete(by_bucket(KEYS[:10]), "a", dict.fromkeys(KEYS[:10], FP), version=0)
     names = [_text(n) for n in any_redis.scan_iter(match="idem:*", count=1000)]
     completed = {bucket_of(key, BUCKETS) for key in KEYS[:10]}
-    # the 30 open claims, one generation hash per bucket that completed keys, one watermark each
-    assert len(names) == len(KEYS) - 10 + len(completed) + BUCKETS
+    claiming = {bucket_of(key, BUCKETS) for key in KEYS[10:]}
+    # per bucket: a claim hash of the open claims, a completed generation, a watermark
+    assert len(names) == len(claiming) + len(completed) + BUCKETS
     for name in names:
-        layout = re.fullmatch(r"idem:\{orders:(\d+)\}:(k:ORDERID_\d+|c:\d+:\d+|wm)", name)
+        layout = re.fullmatch(r"idem:\{orders:(\d+)\}:(p:\d+:\d+|c:\d+:\d+|wm)", name)
         assert layout is not None, name
         bucket = int(layout.group(1))
         assert key_slot(name.encode()) == key_slot(store.watermark_name(bucket).encode())
-    assert store.key_name("ORDERID_1") == f"idem:{{orders:{bucket_of('ORDERID_1', 4)}}}:k:ORDERID_1"
+    assert store.claim_hash("ORDERID_1").startswith(
+        f"idem:{{orders:{bucket_of('ORDERID_1', 4)}}}:p:"
+    )
     slots = {key_slot(store.watermark_name(b).encode()) for b in range(BUCKETS)}
     assert len(slots) == BUCKETS  # buckets spread over the cluster
 
@@ -552,7 +560,7 @@ def test_a_value_idem_did_not_write_is_an_error_not_a_new_key(
     fake_redis: redis.Redis, clock: ManualClock
 ) -> None:
     store = make_store(fake_redis, clock)
-    fake_redis.set(store.key_name("A"), "something else")
+    fake_redis.hset(store.claim_hash("A"), "A", "something else")
     with pytest.raises(StoreUnavailable, match="unrecognised value"):
         store.claim(by_bucket(["A"]), "a", min_version=-1)
 
