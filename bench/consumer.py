@@ -228,6 +228,8 @@ class _Sampler:
         threading.Thread(target=run, daemon=True).start()
 
         import idem.dedup
+        import idem.hotstore
+        import idem.ledger.deltars
         import idem.retry.consumer.concurrently as cc
         import idem.retry.consumer.group_claim as gc
         import idem.retry.consumer.group_commit as gcm
@@ -237,6 +239,8 @@ class _Sampler:
         self.times: dict[str, list[tuple[float, float]]] = {}
         for cls, names in (
             (idem.dedup.Dedup, ("begin", "complete", "catch_up")),
+            (idem.ledger.deltars.DeltaLedger, ("commit", "keys_added_since")),
+            (idem.hotstore.RedisHotStore, ("claim", "complete")),
             (gcm.GroupCommitter, ("_acquire", "_commit")),
             (gc.GroupClaimer, ("_claim",)),
             (mw.DedupMiddleware, ("__call__",)),

@@ -51,6 +51,7 @@ from tenacity import (
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import LedgerConflict, LedgerError
 from idem.ledger import _log, _sql
+from idem.ledger._added import AddedKeys
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
@@ -75,7 +76,6 @@ _MAX_CHECKED_VERSIONS = 64
 """More versions than this since the claim: MERGE on the recent rows instead of reading them."""
 
 _INDEX_FILE_COLUMNS = ("key", "fingerprint", "completed_at")
-_SKIPPED_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 
 
 class _HistoryGone(Exception):
@@ -118,6 +118,7 @@ class DeltaLedger:
         self._table_lock = threading.RLock()
         self._version_lock = threading.Lock()
         self._known_version = -1
+        self._added = AddedKeys(self._read_commit, self._read_index_file)
 
     @property
     def path(self) -> str:
@@ -334,6 +335,7 @@ class DeltaLedger:
                 except CommitFailedError:
                     continue  # another writer took the version: check what it added
                 version = table.version()
+            self._added.remember_own(version, fresh)
             self._saw_version(version)
             already: list[str] = keys.filter(present).to_pylist()
             return CommitResult(version=version, inserted=fresh.num_rows, already_present=already)
@@ -366,17 +368,7 @@ class DeltaLedger:
             raise LedgerError(f"version: {version} must be >= -1")
         current = self.version()
         try:
-            files: dict[str, _log.AddedFile] = {}
-            for v in range(version + 1, current + 1):
-                entry = self._read_commit(v)
-                if entry.operation in _SKIPPED_OPERATIONS:
-                    continue
-                for removed in entry.removed:
-                    files.pop(removed, None)
-                for added in entry.added:
-                    if added.data_change:
-                        files[added.path] = added
-            tables = [self._read_index_file(f) for f in files.values()]
+            keys, files_read = self._added.since(version, current)
         except _HistoryGone as gone:
             log.warning(
                 "ledger %s: %s is gone; the keys added since version %d cannot be read "
@@ -386,10 +378,7 @@ class DeltaLedger:
                 version,
             )
             return None
-        keys = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
-        return ChangedKeys(
-            since_version=version, version=current, keys=keys, files_read=len(tables)
-        )
+        return ChangedKeys(since_version=version, version=current, keys=keys, files_read=files_read)
 
     def _read_commit(self, version: int) -> _log.CommitEntry:
         try:
@@ -571,6 +560,7 @@ class DeltaLedger:
                 # Another writer created it first: go again, as a MERGE this time.
                 raise CommitFailedError(f"the ledger was created concurrently: {exc}") from exc
             raise
+        self._added.remember_own(0, source)  # mode="error" wrote version 0
         table = self._latest()
         assert table is not None
         version = table.version()

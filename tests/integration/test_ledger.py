@@ -353,6 +353,48 @@ def test_keys_added_since_reads_exactly_the_later_versions(
     assert everything.keys.num_rows == 5
 
 
+def test_keys_added_since_reads_each_file_once_and_never_its_own_appends(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """Two writers on one ledger: each one's checks read the other's files once."""
+    path = str(tmp_path / "ledger")
+    mine, theirs = DeltaLedger(path, clock=clock), DeltaLedger(path, clock=clock)
+    start = commit(theirs, ["seed"], clock, app="seed").version
+    own = indexed_commit(mine, ["M1", "M2", "M3"], clock, after=start, app="mine")
+    foreign = indexed_commit(theirs, ["T1", "T2"], clock, after=own.version, app="theirs")
+
+    first = mine.keys_added_since(start)
+    assert first is not None
+    assert sorted(first.keys.column("key").to_pylist()) == ["M1", "M2", "M3", "T1", "T2"]
+    their_files = {bucket_of(k, BUCKETS) for k in ("T1", "T2")}
+    assert first.files_read == len(their_files)  # its own append came from memory
+    again = mine.keys_added_since(start)
+    assert again is not None and again.files_read == 0
+    assert again.keys.sort_by("key").equals(first.keys.sort_by("key"))
+    # A reader that wrote nothing reads every file, and finds the same keys.
+    cold = DeltaLedger(path, clock=clock).keys_added_since(start)
+    assert cold is not None and cold.version == foreign.version
+    assert cold.keys.sort_by("key").equals(first.keys.sort_by("key"))
+    assert cold.files_read == len({bucket_of(k, BUCKETS) for k in ("M1", "M2", "M3")}) + len(
+        their_files
+    )
+
+
+def test_keys_added_since_follows_a_later_delete_of_remembered_rows(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """Rows this writer appended and another process deleted are not reported."""
+    path = tmp_path / "ledger"
+    ledger = DeltaLedger(str(path), clock=clock)
+    start = commit(ledger, ["seed"], clock, app="seed").version
+    indexed_commit(ledger, ["gone", "kept"], clock, after=start, app="mine")
+    DeltaTable(str(path)).delete("key = 'gone'")  # e.g. an operator's DELETE
+
+    changed = ledger.keys_added_since(start)
+    assert changed is not None
+    assert changed.keys.column("key").to_pylist() == ["kept"]
+
+
 def test_keys_added_since_does_not_repeat_keys_a_compaction_rewrote(
     make_ledger: MakeLedger, clock: ManualClock
 ) -> None:
