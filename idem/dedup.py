@@ -24,7 +24,7 @@ from idem.config import DedupMode, IdemConfig, MismatchPolicy
 from idem.errors import InvalidKey, StoreUnavailable
 from idem.hotstore import ClaimResult, CompleteResult, HotStore, RedisHotStore
 from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats
-from idem.keys import bucket_of, group_by_bucket, validate_key
+from idem.keys import bucket_of, group_by_bucket, group_rows_by_bucket, validate_key
 from idem.ledger import Ledger, open_ledger
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause, Invalid
 
@@ -87,7 +87,7 @@ class Dedup:
         normalised, invalid, duplicates, first = _normalise(
             keys, order if order is not None else range(size), field, self.config.max_key_bytes
         )
-        grouped = group_by_bucket(first, self.config.buckets)
+        grouped, row_buckets = group_rows_by_bucket(first, size, self.config.buckets)
         result, version = self._claim_indexed(grouped, owner)
         claimed = set(result.claimed)
         if self.config.mode is DedupMode.STRICT and claimed:
@@ -122,6 +122,7 @@ class Dedup:
             retaken=tuple(i for i in sorted(fresh) if normalised[i] in retaken_keys),
             ledger_version=version,
             reclaimed=tuple(i for i in sorted(fresh) if normalised[i] in reclaimed_keys),
+            buckets=tuple(row_buckets),
         )
         if claim.mismatched and self.config.mismatch_policy is MismatchPolicy.WARN:
             log.warning(
@@ -238,7 +239,11 @@ class Dedup:
         if not indices:
             return CommitOutcome(version=None, committed=0)
         keys = [claim.keys[i] or "" for i in indices]
-        buckets = [bucket_of(key, self.config.buckets) for key in keys]
+        if claim.buckets:
+            known = claim.buckets
+            buckets = [known[i] for i in indices]
+        else:
+            buckets = [bucket_of(key, self.config.buckets) for key in keys]
         now = self.clock.now_ms()
         rows = self._ledger_rows(
             claim,

@@ -58,6 +58,8 @@ class BatchClaim:
     ``ledger_version``: every claimed key's bucket index had reached this
     ledger version, so only later versions can hold a key claimed as fresh
     (the commit checks just those; ``-1`` checks them all).
+    ``buckets[i]`` is the bucket of row ``i``'s key where the claim computed it
+    (every first occurrence of a valid key; ``-1`` elsewhere; empty: not kept).
     """
 
     owner: str
@@ -72,6 +74,7 @@ class BatchClaim:
     ledger_version: int = -1
     reclaimed: tuple[int, ...] = ()
     stored_fingerprints: dict[int, str] = field(default_factory=dict)
+    buckets: tuple[int, ...] = ()
 
     @property
     def counts(self) -> BatchCounts:

@@ -60,6 +60,7 @@ def slice_claim(claim: BatchClaim, start: int, size: int) -> BatchClaim:
         stored_fingerprints={
             i - start: f for i, f in claim.stored_fingerprints.items() if start <= i < end
         },
+        buckets=claim.buckets[start:end],
     )
 
 

@@ -76,6 +76,8 @@ class CommitItem:
     messages: list[MessageExt]
     ledger_version: int = -1
     """The claim's ``ledger_version``: the commit checks only the versions after it."""
+    buckets: list[int] | None = None
+    """The bucket of each key, when the claim computed them."""
     deferred: Deferred = field(default_factory=Deferred)
     outcome: CommitOutcome | None = None
     """Set (before :attr:`deferred` resolves) when the commit succeeded."""
@@ -230,6 +232,8 @@ class GroupCommitter:
         keys = [k for item in batch for k in item.keys]
         prints = [f for item in batch for f in item.prints]
         messages = [m for item in batch for m in item.messages]
+        known = all(item.buckets is not None for item in batch)
+        buckets = tuple(b for item in batch for b in item.buckets or ()) if known else ()
         claim = BatchClaim(
             owner=self.owner,
             keys=tuple(keys),
@@ -239,6 +243,7 @@ class GroupCommitter:
             busy=(),
             invalid=(),
             ledger_version=min(item.ledger_version for item in batch),
+            buckets=buckets,
         )
         meta = pa.table(
             {

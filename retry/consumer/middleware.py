@@ -394,6 +394,7 @@ class DedupMiddleware:
             prints=[claim.fingerprints[k] for k in done_k],
             messages=[messages[here[k]] for k in done_k],
             ledger_version=claim.ledger_version,
+            buckets=[claim.buckets[k] for k in done_k] if claim.buckets else None,
         )
         try:
             deferred = self.committer.submit(item)

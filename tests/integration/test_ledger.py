@@ -369,11 +369,13 @@ def test_keys_added_since_reads_each_file_once_and_never_its_own_appends(
     their_files = {bucket_of(k, BUCKETS) for k in ("T1", "T2")}
     assert first.files_read == len(their_files)  # its own append came from memory
     again = mine.keys_added_since(start)
-    assert again is not None and again.files_read == 0
+    assert again is not None
+    assert again.files_read == 0
     assert again.keys.sort_by("key").equals(first.keys.sort_by("key"))
     # A reader that wrote nothing reads every file, and finds the same keys.
     cold = DeltaLedger(path, clock=clock).keys_added_since(start)
-    assert cold is not None and cold.version == foreign.version
+    assert cold is not None
+    assert cold.version == foreign.version
     assert cold.keys.sort_by("key").equals(first.keys.sort_by("key"))
     assert cold.files_read == len({bucket_of(k, BUCKETS) for k in ("M1", "M2", "M3")}) + len(
         their_files

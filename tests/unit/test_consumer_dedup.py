@@ -236,6 +236,7 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         "ledger_version",
         "reclaimed",
         "stored_fingerprints",
+        "buckets",
     }
     assert {f.name for f in dataclasses.fields(BatchClaim)} == known
     claim = BatchClaim(
@@ -247,9 +248,11 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         busy=(1,),
         invalid=(),
         retaken=(3,),
+        buckets=(5, -1, 7, 1),
     )
     part = slice_claim(claim, 2, 2)
     assert part.keys == ("c", "d")
+    assert part.buckets == (7, 1)
     assert part.fresh == (0, 1)
     assert part.retaken == (1,)
     assert part.busy == ()

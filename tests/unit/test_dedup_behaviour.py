@@ -16,6 +16,7 @@ from deltalake import DeltaTable, QueryBuilder
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.dedup import Dedup
+from idem.keys import bucket_of
 from idem.outcome import DuplicateCause
 
 
@@ -95,6 +96,22 @@ def test_metadata_and_payload_columns_land_in_the_ledger(
     assert table.column("queue_offset").to_pylist() == [5, 6]
     assert table.column("batch_id").to_pylist() == [3, 3]
     assert table.column("owner").to_pylist() == ["q:0", "q:0"]
+
+
+def test_every_committed_key_lands_in_its_own_bucket(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    """The claim's buckets travel to the commit: with repeats and bad keys in between,
+    each ledger row's bucket is its key's, and Redis knows each key as completed."""
+    dd = _dedup(tmp_path, any_redis, clock)
+    keys = ["K9", None, "K1", "K9", "", "K2", "K1", "K3", "K4", "K5"]
+    claim = dd.begin(keys, owner="q:0", order=list(reversed(range(len(keys)))))
+    dd.complete(claim, succeeded=[i for i in claim.fresh if keys[i] != "K4"], batch_id=0)
+    rows = dd.ledger.window(0, None).keys.to_pylist()
+    assert sorted(r["key"] for r in rows) == ["K1", "K2", "K3", "K5", "K9"]
+    assert all(r["bucket"] == bucket_of(r["key"], 4) for r in rows)
+    again = dd.begin(["K1", "K2", "K3", "K5", "K9"], owner="q:1")
+    assert again.fresh == ()
 
 
 def test_strict_mode_checks_the_ledger_even_when_redis_forgot(
