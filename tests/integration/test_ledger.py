@@ -174,6 +174,31 @@ def test_in_batch_repeats_are_kept_once(make_ledger: MakeLedger, clock: ManualCl
     assert ledger_keys(ledger) == ["A", "B"]
 
 
+def race(fn: Callable[[int], Any], n: int = 2) -> list[Any]:
+    """Run ``fn(0) .. fn(n - 1)`` in threads released at once; their results, in order.
+
+    An exception in any thread fails the test (a thread cannot raise into pytest).
+    """
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            barrier.wait()
+            results[w] = fn(w)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
 def test_concurrent_commits_from_two_threads_both_land(
     make_ledger: MakeLedger, clock: ManualClock
 ) -> None:
@@ -181,23 +206,7 @@ def test_concurrent_commits_from_two_threads_both_land(
     writers = [make_ledger(), make_ledger()]  # two handles, like two driver processes
     batches = [[f"K{w}-{i}" for i in range(200)] for w in range(2)]
     shared = [f"S{i}" for i in range(100)]  # both claim these (a failover hole)
-    barrier = threading.Barrier(2)
-    results: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(w: int) -> None:
-        try:
-            barrier.wait()
-            results[w] = commit(writers[w], batches[w] + shared, clock, app=f"w{w}", txn=1)
-        except BaseException as exc:  # reported below; a thread cannot raise into pytest
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
+    results = race(lambda w: commit(writers[w], batches[w] + shared, clock, app=f"w{w}", txn=1))
     assert sum(r.inserted for r in results) == 400 + 100
     assert sorted(results[0].already_present + results[1].already_present) == sorted(shared)
     assert ledger_keys(writers[0]) == sorted(["seed", *batches[0], *batches[1], *shared])
@@ -209,20 +218,9 @@ def test_two_writers_creating_the_ledger_at_once_insert_each_key_once(
 ) -> None:
     writers = [make_ledger(), make_ledger()]
     shared = [f"S{i}" for i in range(50)]
-    barrier = threading.Barrier(2)
-    results: list[Any] = [None, None]
-
-    def run(w: int) -> None:
-        barrier.wait()
-        results[w] = commit(
-            writers[w], [f"W{w}-{i}" for i in range(50)] + shared, clock, app=f"w{w}"
-        )
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = race(
+        lambda w: commit(writers[w], [f"W{w}-{i}" for i in range(50)] + shared, clock, app=f"w{w}")
+    )
     assert sorted(r.version for r in results) == [0, 1]
     assert sorted(results[0].already_present + results[1].already_present) == sorted(shared)
     assert writers[0].audit() == []
@@ -271,34 +269,15 @@ def test_index_mode_commits_racing_for_the_same_keys_insert_each_once(
     writers = [DeltaLedger(path, clock=clock), DeltaLedger(path, clock=clock)]
     commit(writers[0], ["seed"], clock, app="seed")
     results: list[Any] = []
-    errors: list[BaseException] = []
     for round_ in range(6):
         after = writers[0].version()  # both claims saw the ledger at this version
         shared = [f"S{round_}-{i}" for i in range(50)]
-        start = threading.Barrier(2)
 
-        def run(
-            w: int,
-            shared: list[str] = shared,
-            after: int = after,
-            r: int = round_,
-            start: threading.Barrier = start,
-        ) -> None:
-            try:
-                start.wait()
-                own = [f"W{w}-{r}-{i}" for i in range(50)]
-                results.append(
-                    indexed_commit(writers[w], own + shared, clock, after=after, app=f"w{w}", txn=r)
-                )
-            except BaseException as exc:  # reported below; a thread cannot raise into pytest
-                errors.append(exc)
+        def write(w: int, shared: list[str] = shared, after: int = after, r: int = round_) -> Any:
+            own = [f"W{w}-{r}-{i}" for i in range(50)]
+            return indexed_commit(writers[w], own + shared, clock, after=after, app=f"w{w}", txn=r)
 
-        threads = [threading.Thread(target=run, args=(w,)) for w in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors
+        results += race(write)
     assert sum(r.inserted for r in results) == 6 * (100 + 50)
     assert sum(len(r.already_present) for r in results) == 6 * 50
     keys = ledger_keys(writers[0])
