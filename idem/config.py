@@ -110,10 +110,11 @@ class IdemConfig:
                 "'_', '.', '-' (it becomes part of Redis hash tags and Delta paths)"
             )
         if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://")
+            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
         ):
             raise ConfigError(
-                f"redis_url: {self.redis_url!r} must start with redis://, rediss:// or unix://"
+                f"redis_url: {self.redis_url!r} must start with redis://, rediss://, unix:// "
+                "or (a Redis Cluster, by any node) redis+cluster://, rediss+cluster://"
             )
         _check_range("buckets", self.buckets, 1, 1024)
         _check_range("max_key_bytes", self.max_key_bytes, 1, 65_536)

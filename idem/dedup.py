@@ -27,6 +27,7 @@ from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats
 from idem.keys import bucket_of, group_by_bucket, group_rows_by_bucket, validate_key
 from idem.ledger import Ledger, open_ledger
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause, Invalid
+from idem.redis_cluster import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Dedup:
         self,
         config: IdemConfig,
         *,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         hot: HotStore | None = None,
         ledger: Ledger | None = None,
         clock: Clock = SYSTEM_CLOCK,

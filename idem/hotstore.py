@@ -25,9 +25,11 @@ A missing watermark means the bucket's index is unknown (FLUSHALL, empty restart
 claims there answer "stale", never "new", until :meth:`RedisHotStore.index_completed`
 rebuilds it. Time comes from the injected :class:`~idem.clock.Clock`, never Redis ``TIME``.
 
-Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (the
-scripts in ``idem/lua/`` document KEYS, ARGV and replies). Keys travel as plain ARGV
-and the scripts prefix them, which keeps Python cheap; every name they build shares
+Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (on a
+Redis Cluster one per primary owning some of the buckets, see
+:mod:`idem.redis_cluster`; the scripts in ``idem/lua/`` document KEYS, ARGV and
+replies). Keys travel as plain ARGV and the scripts prefix them, which keeps
+Python cheap; every name they build shares
 the hash tag of the declared ``KEYS[1]``. redis-py may resend a pipeline after a
 connection error: every script is safe to run twice (a re-sent claim is ``retaken``).
 Needs Redis >= 7.0.
@@ -59,6 +61,7 @@ from idem.hotstore_types import (
 )
 from idem.keys import bucket_of
 from idem.redis_client import check_eviction_policy, connect
+from idem.redis_cluster import RedisClient, RoutedPipelines
 
 __all__ = [
     "ClaimResult",
@@ -83,7 +86,7 @@ MAX_OWNER_CHARS = 256
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
-def _load_script(client: redis.Redis, name: str) -> Script:
+def _load_script(client: RedisClient, name: str) -> Script:
     folder = resources.files("idem").joinpath("lua")
     prelude = folder.joinpath("_prelude.lua").read_text(encoding="utf-8")
     return client.register_script(prelude + folder.joinpath(name).read_text(encoding="utf-8"))
@@ -111,7 +114,7 @@ class RedisHotStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         group: str,
         buckets: int,
@@ -149,7 +152,7 @@ class RedisHotStore:
 
     @classmethod
     def from_config(
-        cls, config: IdemConfig, *, client: redis.Redis | None = None, clock: Clock = SYSTEM_CLOCK
+        cls, config: IdemConfig, *, client: RedisClient | None = None, clock: Clock = SYSTEM_CLOCK
     ) -> RedisHotStore:
         """A store for ``config.group``; a client is built from ``config.redis_url`` if not given.
 
@@ -199,7 +202,11 @@ class RedisHotStore:
             raise ValueError(f"owner: {len(owner)} characters; the limit is {MAX_OWNER_CHARS}")
         return owner
 
-    def _run(self, pipe: Any, operation: str) -> list[Any]:
+    def _pipes(self) -> RoutedPipelines:
+        """One round trip per server (per primary on a Cluster) for commands of many buckets."""
+        return RoutedPipelines(self.client)
+
+    def _run(self, pipe: RoutedPipelines, operation: str) -> list[Any]:
         try:
             replies: list[Any] = pipe.execute()
         except redis.RedisError as exc:
@@ -224,18 +231,19 @@ class RedisHotStore:
         self._owner(owner)
         head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), self._claim_gens]
         head_tail += [_version("min_version", min_version), self._window]
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         plan: list[tuple[int, list[str]]] = []
         for bucket, given in keys_by_bucket.items():
             self._bucket(bucket)
             keys = given if isinstance(given, list) else list(given)
-            head = [self._tags[bucket], *head_tail]
+            tag = self._tags[bucket]
+            head = [tag, *head_tail]
             routing = [self._wm[bucket]]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
-                self._claim(keys=routing, args=head + chunk, client=pipe)
+                self._claim(keys=routing, args=head + chunk, client=pipes.pipe(tag))
                 plan.append((bucket, chunk))
-        replies = self._run(pipe, "claim") if plan else []
+        replies = self._run(pipes, "claim") if plan else []
 
         claimed: list[str] = []
         retaken: list[str] = []
@@ -297,7 +305,7 @@ class RedisHotStore:
             owner, str(now), self._claim_gens, str(at), _version("version", version), self._window
         ]  # fmt: skip
         token = uuid.uuid4().hex
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
         for bucket in range(self.buckets):
             keys = keys_by_bucket.get(bucket, ())
@@ -309,10 +317,11 @@ class RedisHotStore:
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
             routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{token}"]
             head = [self._tags[bucket], *head_tail]
+            tag = self._tags[bucket]
             for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
-                self._complete(keys=routing, args=args, client=pipe)
+                self._complete(keys=routing, args=args, client=pipes.pipe(tag))
                 plan.append((bucket, keys, offset, decides))
-        replies = self._run(pipe, "complete")
+        replies = self._run(pipes, "complete")
 
         completed = 0
         fenced: list[str] = []
@@ -333,18 +342,21 @@ class RedisHotStore:
         COMPLETED keys and keys another owner holds are never touched.
         """
         self._owner(owner)
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         calls = 0
         for bucket, keys in keys_by_bucket.items():
             self._bucket(bucket)
-            head = [self._tags[bucket], owner, str(self.clock.now_ms()), self._claim_gens]
+            tag = self._tags[bucket]
+            head = [tag, owner, str(self.clock.now_ms()), self._claim_gens]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
-                self._release(keys=[self._wm[bucket]], args=head + list(chunk), client=pipe)
+                self._release(
+                    keys=[self._wm[bucket]], args=head + list(chunk), client=pipes.pipe(tag)
+                )
                 calls += 1
         if not calls:
             return 0
-        return sum(int(n) for n in self._run(pipe, "release"))
+        return sum(int(n) for n in self._run(pipes, "release"))
 
     # -- reads -------------------------------------------------------------------------
 
@@ -356,7 +368,7 @@ class RedisHotStore:
         now = self.clock.now_ms()
         gen = now // self.completed_ttl_ms
         pgen = now // CLAIM_GEN_MS
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         plan: list[Sequence[str]] = []
         for bucket, keys in keys_by_bucket.items():
             tag = self._tags[self._bucket(bucket)]
@@ -365,9 +377,9 @@ class RedisHotStore:
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = list(keys[start : start + CLAIM_CHUNK])
                 for name in hashes:
-                    pipe.hmget(name, chunk)
+                    pipes.pipe(tag).hmget(name, chunk)
                 plan.append(chunk)
-        replies = self._run(pipe, "lookup") if plan else []
+        replies = self._run(pipes, "lookup") if plan else []
         per_chunk = 3 + self._span
         states: dict[str, KeyState] = {}
         for n, asked in enumerate(plan):
@@ -396,10 +408,10 @@ class RedisHotStore:
         wanted = (
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         for bucket in wanted:
-            pipe.get(self._wm[bucket])
-        replies = self._run(pipe, "watermarks") if wanted else []
+            pipes.pipe(self._tags[bucket]).get(self._wm[bucket])
+        replies = self._run(pipes, "watermarks") if wanted else []
         marks: dict[int, int | None] = {}
         for bucket, value in zip(wanted, replies, strict=True):
             version, _, window = ("" if value is None else _text(value)).partition("|")
@@ -455,16 +467,17 @@ class RedisHotStore:
             "" if from_version is None else _version("from_version", from_version),
         ]
         columns = (keys, fingerprints, completed_at_ms)
-        pipe = self.client.pipeline(transaction=False)
+        tag = self._tags[bucket]
+        pipes = self._pipes()
         queued = 0
         for args, _, _ in _calls(head, columns, INDEX_CHUNK):
-            self._index(keys=routing, args=args, client=pipe)
+            self._index(keys=routing, args=args, client=pipes.pipe(tag))
             queued += 1
             if queued == INDEX_CHUNKS_PER_PIPELINE:  # bound what one round trip buffers
-                replies = self._run(pipe, "index")
-                pipe, queued = self.client.pipeline(transaction=False), 0
+                replies = self._run(pipes, "index")
+                pipes, queued = self._pipes(), 0
         if queued:
-            replies = self._run(pipe, "index")
+            replies = self._run(pipes, "index")
         return bool(replies[-1][1] == 1)
 
     def held_keys(self, buckets: Iterable[int] | None = None) -> dict[int, int]:
@@ -477,11 +490,11 @@ class RedisHotStore:
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
         gen = self.clock.now_ms() // self.completed_ttl_ms
-        pipe = self.client.pipeline(transaction=False)
+        pipes = self._pipes()
         for bucket in wanted:
             for g in (gen, gen - 1):
-                pipe.hlen(f"{self._tags[bucket]}:c:{self._window}:{g}")
-        replies = self._run(pipe, "held_keys") if wanted else []
+                pipes.pipe(self._tags[bucket]).hlen(f"{self._tags[bucket]}:c:{self._window}:{g}")
+        replies = self._run(pipes, "held_keys") if wanted else []
         return {
             bucket: int(replies[2 * n]) + int(replies[2 * n + 1]) for n, bucket in enumerate(wanted)
         }

@@ -6,23 +6,43 @@ import logging
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-from idem.errors import StoreUnavailable, UnsafeRedisConfig
+from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
+from idem.redis_cluster import RedisClient, for_each_primary
 
 log = logging.getLogger(__name__)
 
 
-def connect(url: str) -> redis.Redis:
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""URL schemes that name a Redis Cluster (any node of it), and the scheme redis-py gets."""
+
+
+def connect(url: str, *, connect_timeout: float = 5.0) -> RedisClient:
     """A redis-py client for a ``redis://``, ``rediss://`` or ``unix://`` URL (ACL user in it).
 
-    It gives up after 3 quick reconnect attempts, a 5 s connect and a 30 s read
-    timeout, so an unreachable Redis surfaces as an error instead of a hang.
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) names a Redis Cluster by
+    any of its nodes: the client reads the slot map and follows redirects. It gives
+    up after 3 quick reconnect attempts, a 5 s connect and a 30 s read timeout, so an
+    unreachable Redis surfaces as an error instead of a hang (a Cluster client reads
+    the slot map at once, so an unreachable Cluster raises here).
     """
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme in CLUSTER_SCHEMES:
+        if rest.partition("/")[2] not in ("", "0"):
+            raise ConfigError(
+                f"redis_url: a Redis Cluster has only database 0, the URL names {rest!r}"
+            )
+        return RedisCluster.from_url(
+            f"{CLUSTER_SCHEMES[scheme]}://{rest}",
+            socket_timeout=30.0,
+            socket_connect_timeout=connect_timeout,
+        )
     return redis.Redis.from_url(
         url,
         socket_timeout=30.0,
-        socket_connect_timeout=5.0,
+        socket_connect_timeout=connect_timeout,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
         health_check_interval=30,
     )
@@ -32,14 +52,18 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
-def check_eviction_policy(client: redis.Redis) -> None:
+def check_eviction_policy(client: RedisClient) -> None:
     """Refuse a Redis that may evict keys: ``maxmemory-policy`` must be ``noeviction``.
 
     An evicted COMPLETED key would let a duplicate through unnoticed, an evicted
-    schedule entry would lose a retry. When ``CONFIG`` is not allowed (ACL,
-    managed Redis) the policy cannot be read: a warning is logged and the check
-    passes.
+    schedule entry would lose a retry. On a Cluster every primary is checked. When
+    ``CONFIG`` is not allowed (ACL, managed Redis) the policy cannot be read: a
+    warning is logged and the check passes.
     """
+    for_each_primary(client, _check_one)
+
+
+def _check_one(client: redis.Redis) -> None:
     try:
         reply = client.config_get("maxmemory-policy")
     except redis.ResponseError as exc:

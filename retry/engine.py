@@ -21,12 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-import redis
-
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
 from idem.redis_client import check_eviction_policy, connect
+from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
 from idem.retry.journal import JournalEvent, JournalEventType, RetryJournal
@@ -132,7 +131,7 @@ class RetryEngine:
         self,
         config: IdemConfig,
         *,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         clock: Clock = SYSTEM_CLOCK,
         policy: RetryPolicy | None = None,
         faults: FaultTolerance = DEFAULT_FAULT_TOLERANCE,

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import redis
 from redis.commands.core import Script
 
+from idem.redis_cluster import RedisClient
 from idem.retry.message import SCHEDULE_TOPIC, retry_topic
 
 APPLY_CHUNK = 1000
@@ -38,7 +39,7 @@ APPLY_CHUNK = 1000
 Redis (a call of 1,000 ops takes about a millisecond)."""
 
 
-def load_script(client: redis.Redis, name: str) -> Script:
+def load_script(client: RedisClient, name: str) -> Script:
     """Register ``retry/lua/<name>`` on ``client`` (EVALSHA, reloaded when flushed)."""
     source = (resources.files("idem.retry") / "lua" / name).read_text(encoding="utf-8")
     return client.register_script(source)
@@ -170,7 +171,7 @@ def _text(value: Any) -> str:
 class ScheduleStore:
     """One group's schedule queues, retry topic and journal cursor in Redis."""
 
-    def __init__(self, client: redis.Redis, group: str) -> None:
+    def __init__(self, client: RedisClient, group: str) -> None:
         self.client = client
         self.group = group
         self.keys = RetryKeys(group)

@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import redis
 from pyspark.sql import Column
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
@@ -43,6 +42,8 @@ from idem.config import IdemConfig, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
 from idem.ledger.schema import LEDGER_SCHEMA
+from idem.redis_client import connect
+from idem.redis_cluster import RedisClient
 from idem.retry.engine import RetryEngine
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.batch import BatchOutcome, BatchRun
@@ -84,7 +85,7 @@ class ExactlyOnce:
         *,
         config: IdemConfig,
         key: str,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         sink_table: str | None = None,
         topic: str = DEFAULT_TOPIC,
         idempotency_column: str | None = None,
@@ -120,10 +121,10 @@ class ExactlyOnce:
     # -- lazily built collaborators (the driver builds them on the first batch) -------------
 
     @property
-    def client(self) -> redis.Redis:
+    def client(self) -> RedisClient:
         """The Redis client (built from ``config.redis_url`` unless one was passed)."""
         if self._client is None:
-            self._client = redis.Redis.from_url(self.config.redis_url)
+            self._client = connect(self.config.redis_url)
         return self._client
 
     @property
@@ -393,7 +394,7 @@ def exactly_once(
     group: str | None = None,
     key: str,
     config: IdemConfig | None = None,
-    client: redis.Redis | None = None,
+    client: RedisClient | None = None,
     sink_table: str | None = None,
     topic: str = DEFAULT_TOPIC,
     idempotency_column: str | None = None,

@@ -15,10 +15,9 @@ may not share a ledger column's name, except the key column ``key``).
 
 from __future__ import annotations
 
-import redis
-
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
+from idem.redis_cluster import RedisClient
 from idem.spark.decorator import ExactlyOnce, SinkFunction, resolve_config
 from idem.spark.messages import DEFAULT_TOPIC
 
@@ -29,7 +28,7 @@ def delta_sink(
     key: str,
     group: str | None = None,
     config: IdemConfig | None = None,
-    client: redis.Redis | None = None,
+    client: RedisClient | None = None,
     validate: SinkFunction | None = None,
     topic: str = DEFAULT_TOPIC,
     fingerprint: bool = True,

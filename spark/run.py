@@ -29,10 +29,13 @@ import redis
 from deltalake import DeltaTable
 from pyspark.errors import StreamingQueryException
 from pyspark.sql.types import StructType
+from redis.exceptions import RedisClusterException
 
 from idem.config import IdemConfig
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 from idem.ledger import read_table
+from idem.redis_client import connect
+from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, SinkFunction
@@ -170,9 +173,12 @@ def load_sink_fn(spec: str) -> SinkFunction:
     return fn  # type: ignore[no-any-return]
 
 
-def check_redis(url: str, timeout: float = 3.0) -> redis.Redis:
+def check_redis(url: str, timeout: float = 3.0) -> RedisClient:
     """A client to ``url`` after a PING, or :class:`StoreUnavailable` saying why not."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=30)
+    try:
+        client = connect(url, connect_timeout=timeout)
+    except (redis.RedisError, RedisClusterException) as exc:
+        raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -225,7 +231,7 @@ class Pipeline:
         spec: RunSpec,
         *,
         sink_fn: SinkFunction | None = None,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         crash_plan: CrashPlan | None = None,
     ) -> None:
         if not spec.sink_delta and not spec.sink_fn and sink_fn is None:

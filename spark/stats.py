@@ -17,6 +17,7 @@ from typing import Protocol
 import redis
 
 from idem.errors import StoreUnavailable
+from idem.redis_cluster import RedisClient
 
 _LUA = resources.files("idem.spark").joinpath("lua")
 _RECORD = _LUA.joinpath("record_batch.lua").read_text("utf-8")
@@ -114,7 +115,7 @@ class Totals:
 class StatsStore:
     """Reads and writes one group's counters (hash-tagged by group, cluster safe)."""
 
-    def __init__(self, client: redis.Redis, group: str, *, marker_ttl_ms: int) -> None:
+    def __init__(self, client: RedisClient, group: str, *, marker_ttl_ms: int) -> None:
         self.client = client
         self.group = group
         self.marker_ttl_ms = marker_ttl_ms

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from idem.clock import ManualClock
+from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer, redis_server_binary
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -49,6 +50,25 @@ def real_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """One real Redis Cluster (3 primaries on loopback ports) for the whole run."""
+    _require_redis_server()
+    cluster = LocalCluster(3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_redis(redis_cluster: LocalCluster) -> Iterator[redis.Redis]:
+    """A Cluster client, every primary flushed before each test."""
+    client = redis_cluster.client()
+    client.flushall(target_nodes="primaries")
+    yield client  # type: ignore[misc]  # a RedisCluster, which idem takes wherever Redis goes
+    client.close()
+
+
 @pytest.fixture
 def fake_redis() -> Iterator[redis.Redis]:
     """fakeredis with Lua, for the fast unit tier only."""
@@ -63,12 +83,15 @@ def fake_redis() -> Iterator[redis.Redis]:
     params=[
         pytest.param("fakeredis", marks=pytest.mark.unit),
         pytest.param("redis-server", marks=pytest.mark.integration),
+        pytest.param("redis-cluster", marks=pytest.mark.integration),
     ]
 )
 def any_redis(request: pytest.FixtureRequest) -> redis.Redis:
-    """The behaviour suite runs against both backends."""
+    """The behaviour suite runs against every backend: fakeredis, one real server, a Cluster."""
     if request.param == "fakeredis":
         return request.getfixturevalue("fake_redis")  # type: ignore[no-any-return]
+    if request.param == "redis-cluster":
+        return request.getfixturevalue("cluster_redis")  # type: ignore[no-any-return]
     return request.getfixturevalue("real_redis")  # type: ignore[no-any-return]
 
 

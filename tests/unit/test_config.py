@@ -37,7 +37,7 @@ def test_a_short_ladder_allows_a_short_window() -> None:
     [
         ({"group": "a{b}"}, "group"),
         ({"group": ""}, "group"),
-        ({"redis_url": "http://x"}, "redis_url"),
+        ({"redis_url": "http://x"}, r"redis_url: 'http://x' must start with .*redis\+cluster://"),
         ({"buckets": 0}, r"buckets: 0 is outside the allowed range 1..1024"),
         ({"max_key_bytes": 10**6}, "max_key_bytes"),
         ({"mode": "eventual"}, r"mode: 'eventual' is not one of index, strict"),
@@ -49,6 +49,11 @@ def test_bad_settings_are_refused_by_name(changes: dict[str, object], message: s
     settings: dict[str, object] = {"group": "orders", **changes}
     with pytest.raises(ConfigError, match=message):
         IdemConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_a_cluster_url_is_a_redis_url() -> None:
+    config = IdemConfig(group="orders", redis_url="rediss+cluster://idem:pw@node-1:7000")
+    assert config.redis_url.startswith("rediss+cluster://")
 
 
 def test_environment_variables_are_read_and_overridden_by_arguments() -> None:

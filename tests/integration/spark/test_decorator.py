@@ -20,6 +20,7 @@ from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
 
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
+from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, exactly_once, fingerprint_hash
@@ -349,3 +350,28 @@ def test_fingerprints_keep_sparks_hex_form_and_copies_share_a_message_id(
     engine.tick()
     [message] = engine.poll_retry("test", 10)
     assert message.origin_msg_id == rows["A"]["msg_id"]  # a resend keeps ORIGIN_MESSAGE_ID
+
+
+def test_on_a_redis_cluster_the_sinks_stay_exactly_once_and_failures_are_retried(
+    spark: SparkSession, redis_cluster: LocalCluster, cluster_redis: Any, tmp_path: Path
+) -> None:
+    """The same decorator, built from a ``redis+cluster://`` URL: nothing else changes."""
+    config = config_for(tmp_path, redis_cluster.url, "clustered", buckets=16)
+    sink = delta_sink(str(tmp_path / "orders"), key="order_id", config=config)
+    sink.query_id = "q1"
+    keys = [f"O{i}" for i in range(300)]
+    sink.process(_df(spark, *keys, *keys[:50]), 0)
+    second = sink.process(_df(spark, *keys[100:], "O-new"), 1)
+    sink.close()
+    assert sink_key_counts(tmp_path / "orders") == dict.fromkeys([*keys, "O-new"], 1)
+    assert second.duplicates == {"completed": 200}
+
+    recorder = Recorder(fail={"O-new"})
+    fn_sink = exactly_once(key="order_id", config=config.with_changes(group="clustered-fn"))(
+        recorder
+    )
+    fn_sink.query_id = "q2"
+    outcome = fn_sink.process(_df(spark, "O-new", "O1"), 0)
+    assert outcome.failed_keys == ("O-new",)
+    assert outcome.retried_by_level == {3: 1}
+    assert RetryEngine(config.with_changes(group="clustered-fn")).pending() == 1
