@@ -19,14 +19,17 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """URL schemes that name a Redis Cluster (any node of it), and the scheme redis-py gets."""
 
 
-def connect(url: str, *, connect_timeout: float = 5.0) -> RedisClient:
+def connect(
+    url: str, *, connect_timeout: float = 5.0, read_timeout: float = 30.0, retries: int = 3
+) -> RedisClient:
     """A redis-py client for a ``redis://``, ``rediss://`` or ``unix://`` URL (ACL user in it).
 
     ``redis+cluster://host:port`` (or ``rediss+cluster://``) names a Redis Cluster by
     any of its nodes: the client reads the slot map and follows redirects. It gives
-    up after 3 quick reconnect attempts, a 5 s connect and a 30 s read timeout, so an
-    unreachable Redis surfaces as an error instead of a hang (a Cluster client reads
-    the slot map at once, so an unreachable Cluster raises here).
+    up after ``retries`` quick reconnect attempts, a 5 s connect and a 30 s read
+    timeout (by default), so an unreachable Redis surfaces as an error instead of a
+    hang (a Cluster client reads the slot map at once, so an unreachable Cluster
+    raises here).
     """
     scheme, sep, rest = url.partition("://")
     if sep and scheme in CLUSTER_SCHEMES:
@@ -36,16 +39,21 @@ def connect(url: str, *, connect_timeout: float = 5.0) -> RedisClient:
             )
         return RedisCluster.from_url(
             f"{CLUSTER_SCHEMES[scheme]}://{rest}",
-            socket_timeout=30.0,
+            socket_timeout=read_timeout,
             socket_connect_timeout=connect_timeout,
+            retry=_retry(retries),
         )
     return redis.Redis.from_url(
         url,
-        socket_timeout=30.0,
+        socket_timeout=read_timeout,
         socket_connect_timeout=connect_timeout,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
+        retry=_retry(retries),
         health_check_interval=30,
     )
+
+
+def _retry(attempts: int) -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), attempts)
 
 
 def _text(value: bytes | str) -> str:

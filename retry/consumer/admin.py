@@ -5,26 +5,25 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-import redis
-
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.offset_store import RemoteOffsetStore
 from idem.retry.consumer.push_consumer import RESET_NOTICE
 from idem.retry.consumer.rebalance import Membership
 from idem.retry.consumer.topics import MessageQueue, TopicStore
 
 
-def consumer_offsets(client: redis.Redis, group: str) -> dict[MessageQueue, int]:
+def consumer_offsets(client: RedisClient, group: str) -> dict[MessageQueue, int]:
     """The persisted offsets of ``group`` (clustering)."""
     return RemoteOffsetStore(client, group).stored()
 
 
 def reset_offset_by_time(
-    client: redis.Redis,
+    client: RedisClient,
     group: str,
     topic: str,
     timestamp_ms: int,
     *,
-    offset_client: redis.Redis | None = None,
+    offset_client: RedisClient | None = None,
 ) -> dict[MessageQueue, int]:
     """Move ``group``'s offsets of ``topic`` to the first message stored at ``timestamp_ms``.
 
@@ -39,11 +38,11 @@ def reset_offset_by_time(
 
 
 def reset_offsets(
-    client: redis.Redis,
+    client: RedisClient,
     group: str,
     offsets: dict[MessageQueue, int],
     *,
-    offset_client: redis.Redis | None = None,
+    offset_client: RedisClient | None = None,
 ) -> dict[MessageQueue, int]:
     """Set ``group``'s offsets of some queues and tell its running instances."""
     store = RemoteOffsetStore(offset_client or client, group)
@@ -55,7 +54,7 @@ def reset_offsets(
     return offsets
 
 
-def members(client: redis.Redis, group: str) -> tuple[str, ...]:
+def members(client: RedisClient, group: str) -> tuple[str, ...]:
     """The live instances of ``group`` (as of their last heartbeats)."""
     view = Membership(client, group, "admin", expire_ms=2**62)
     return view.look().client_ids

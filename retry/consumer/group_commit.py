@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-import redis
 
 from idem.dedup import Dedup
 from idem.outcome import BatchClaim, CommitOutcome
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.listener import Deferred, Failure
 from idem.retry.consumer.rebalance import load_script
 from idem.retry.faults import REDIS_TRANSIENT
@@ -91,7 +91,7 @@ class GroupCommitter:
         dedup: Dedup,
         owner: str,
         *,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         lock_ttl_ms: int = COMMIT_LOCK_TTL_MS,
         interval_ms: int = DEFAULT_COMMIT_INTERVAL_MS,
         max_keys: int = DEFAULT_COMMIT_MAX_KEYS,

@@ -48,13 +48,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey
 from idem.keys import fingerprint, validate_key
 from idem.outcome import BatchClaim
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.group_claim import GroupClaimer
 from idem.retry.consumer.group_commit import (
     DEFAULT_COMMIT_INTERVAL_MS,
@@ -188,7 +187,7 @@ class DedupMiddleware:
         key: KeySource = "keys",
         owner: str | None = None,
         busy_delay_level: int = BUSY_DELAY_LEVEL,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         commit_lock: bool = True,
         commit_interval_ms: int = DEFAULT_COMMIT_INTERVAL_MS,
         commit_max_keys: int = DEFAULT_COMMIT_MAX_KEYS,

@@ -23,8 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-import redis
-
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.topics import MessageQueue
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def offsets_key(group: str) -> str:
 class RemoteOffsetStore(_MemoryTable):
     """Clustering: offsets in Redis, shared by the group (``RemoteBrokerOffsetStore``)."""
 
-    def __init__(self, client: redis.Redis, group: str) -> None:
+    def __init__(self, client: RedisClient, group: str) -> None:
         super().__init__()
         self.client = client
         self.group = group

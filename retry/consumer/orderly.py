@@ -19,8 +19,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import redis
-
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.listener import BatchResult
 from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.rebalance import load_script
@@ -51,7 +50,7 @@ def lock_key(group: str, mq: MessageQueue) -> str:
 class QueueLocks:
     """Orderly-consumption locks of one group, held by one client."""
 
-    def __init__(self, client: redis.Redis, group: str, client_id: str, *, ttl_ms: int) -> None:
+    def __init__(self, client: RedisClient, group: str, client_id: str, *, ttl_ms: int) -> None:
         self.client = client
         self.group = group
         self.client_id = client_id

@@ -22,11 +22,11 @@ from enum import StrEnum
 from typing import Protocol
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError
+from idem.redis_client import connect
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.errors import SendFailed
 from idem.retry.consumer.topics import MessageQueue, TopicStore
 from idem.retry.message import MessageConst, MessageExt
@@ -129,7 +129,7 @@ class Producer:
         group: str,
         *,
         redis_url: str | None = None,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         send_msg_timeout_ms: int = DEFAULT_SEND_MSG_TIMEOUT_MS,
         retry_times_when_send_failed: int = DEFAULT_RETRY_TIMES_WHEN_SEND_FAILED,
         clock: Clock = SYSTEM_CLOCK,
@@ -150,11 +150,8 @@ class Producer:
             assert redis_url is not None
             timeout_s = send_msg_timeout_ms / 1000
             # the producer owns its retries: redis-py must not resend on its own
-            client = redis.Redis.from_url(
-                redis_url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
+            client = connect(
+                redis_url, connect_timeout=timeout_s, read_timeout=timeout_s, retries=0
             )
             self._owns_client = True
         else:

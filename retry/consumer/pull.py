@@ -19,6 +19,7 @@ from typing import Any, cast
 import redis
 
 from idem.errors import IdemError
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.rebalance import RebalanceImpl
 from idem.retry.consumer.settings import ConsumerSettings
@@ -70,7 +71,7 @@ class PullService:
         clustering: bool,
         on_pulled: Delivered,
         on_filtered: Callable[[MessageQueue, ProcessQueue, int], None],
-        client: redis.Redis,
+        client: RedisClient,
         engine: RetryEngine | None = None,
         retry_topic: str | None = None,
     ) -> None:

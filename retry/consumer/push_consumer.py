@@ -28,11 +28,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import redis
-
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import ConfigError
+from idem.redis_client import connect
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.concurrently import ConcurrentlyService
 from idem.retry.consumer.listener import (
     BatchResult,
@@ -84,9 +84,9 @@ class PushConsumer:
         config: IdemConfig,
         *,
         settings: ConsumerSettings | None = None,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
         engine: RetryEngine | None = None,
-        offset_client: redis.Redis | None = None,
+        offset_client: RedisClient | None = None,
         instance_name: str | None = None,
         middleware: Sequence[Middleware] = (),
         run_schedule_service: bool = True,
@@ -96,7 +96,7 @@ class PushConsumer:
         self.group = config.group
         self.settings = settings or ConsumerSettings()
         self.clock = clock
-        self.client = client if client is not None else redis.Redis.from_url(config.redis_url)
+        self.client = client if client is not None else connect(config.redis_url)
         name = instance_name or uuid.uuid4().hex[:8]
         self.client_id = f"{socket.gethostname()}@{os.getpid()}@{name}"
         self.topics = TopicStore(self.client, clock=clock)

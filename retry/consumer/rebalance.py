@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Protocol
 
-import redis
 from redis.commands.core import Script
 
 from idem.clock import SYSTEM_CLOCK, Clock
+from idem.redis_cluster import RedisClient
 from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.topics import MessageQueue
 from idem.retry.faults import REDIS_TRANSIENT
@@ -40,7 +40,7 @@ DEFAULT_HEARTBEAT_INTERVAL_MS = 30_000
 """``heartbeatBrokerInterval``."""
 
 
-def load_script(client: redis.Redis, name: str) -> Script:
+def load_script(client: RedisClient, name: str) -> Script:
     """Register ``retry/consumer/lua/<name>`` on ``client``."""
     source = (resources.files("idem.retry.consumer") / "lua" / name).read_text(encoding="utf-8")
     return client.register_script(source)
@@ -84,7 +84,7 @@ class Membership:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         group: str,
         client_id: str,
         *,

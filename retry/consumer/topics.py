@@ -27,6 +27,7 @@ import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, SerializationError
+from idem.redis_cluster import RedisClient
 from idem.retry.message import MessageExt
 
 DEFAULT_QUEUE_NUMS = 4
@@ -85,7 +86,7 @@ def _offset_of(entry_id: Any) -> int:
 class TopicStore:
     """Topics, their queues, and the messages in them (the broker's side)."""
 
-    def __init__(self, client: redis.Redis, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, client: RedisClient, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.client = client
         self.clock = clock
         self._queue_nums: dict[str, int] = {}
@@ -162,7 +163,7 @@ class TopicStore:
         count: int,
         block_ms: int | None = None,
         *,
-        client: redis.Redis | None = None,
+        client: RedisClient | None = None,
     ) -> dict[MessageQueue, list[MessageExt]]:
         """Up to ``count`` messages per queue from each queue's next offset, in one ``XREAD``.
 

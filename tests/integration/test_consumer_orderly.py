@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-import redis
+from redis_backends import RealRedis
 
 from idem.config import IdemConfig
-from idem.redis_server import RedisServer
 from idem.retry.consumer import (
     ConsumeFromWhere,
     ConsumerSettings,
@@ -88,12 +87,11 @@ class OrderSink:
         return consume
 
 
-def test_order_kept_across_a_suspended_message(
-    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
-) -> None:
+def test_order_kept_across_a_suspended_message(real_backend: RealRedis, tmp_path: Path) -> None:
+    real_redis = real_backend.client
     group = f"o-{uuid.uuid4().hex[:8]}"
     config = IdemConfig(
-        group=group, redis_url=redis_server.url, data_dir=str(tmp_path), max_reconsume_times=3
+        group=group, redis_url=real_backend.url, data_dir=str(tmp_path), max_reconsume_times=3
     )
     TopicStore(real_redis).create_topic("orders", 4)
     settings = ConsumerSettings(
@@ -111,7 +109,7 @@ def test_order_kept_across_a_suspended_message(
     consumers = []
     for name in ("a", "b"):
         consumer = PushConsumer(
-            config, settings=settings, client=redis_server.client(), instance_name=name
+            config, settings=settings, client=real_backend.new_client(), instance_name=name
         )
         consumer.subscribe("orders")
         consumer.register_message_listener_orderly(sink.listener(name))

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_backends import RealRedis
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
-from idem.redis_server import RedisServer
 from idem.retry import RetryEngine
 from idem.retry.consumer import (
     ConsumeFromWhere,
@@ -116,11 +116,12 @@ class OffsetWatch:
 
 
 def test_three_consumers_join_and_leave_under_50k_messages(
-    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    real_backend: RealRedis, tmp_path: Path
 ) -> None:
+    real_redis = real_backend.client
     group = f"rb-{uuid.uuid4().hex[:8]}"
     config = IdemConfig(
-        group=group, redis_url=redis_server.url, data_dir=str(tmp_path), delay_levels="1s 1s 1s"
+        group=group, redis_url=real_backend.url, data_dir=str(tmp_path), delay_levels="1s 1s 1s"
     )
     TopicStore(real_redis).create_topic("orders", QUEUES)
     settings = ConsumerSettings(
@@ -144,7 +145,7 @@ def test_three_consumers_join_and_leave_under_50k_messages(
     middlewares: list[DedupMiddleware] = []
 
     def start(name: str) -> PushConsumer:
-        client = redis_server.client()
+        client = real_backend.new_client()
         consumer = PushConsumer(
             config,
             settings=settings,
