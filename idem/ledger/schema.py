@@ -167,16 +167,21 @@ def make_rows(
 
 def to_index_rows(table: pa.Table) -> pa.Table:
     """``bucket, key, fingerprint, completed_at`` rows as :data:`INDEX_SCHEMA`."""
-    micros = pc.cast(table.column("completed_at"), pa.int64())
+    micros = _as(table.column("completed_at"), pa.int64())
     return pa.Table.from_arrays(
         [
-            pc.cast(table.column("bucket"), pa.int32()),
-            pc.cast(table.column("key"), pa.string()),
-            pc.cast(table.column("fingerprint"), pa.string()),
+            _as(table.column("bucket"), pa.int32()),
+            _as(table.column("key"), pa.string()),
+            _as(table.column("fingerprint"), pa.string()),
             pc.divide(micros, 1000),
         ],
         schema=INDEX_SCHEMA,
     )
+
+
+def _as(column: pa.ChunkedArray, kind: pa.DataType) -> pa.ChunkedArray:
+    """``column`` cast to ``kind`` (a call to Arrow only when the type differs)."""
+    return column if column.type == kind else pc.cast(column, kind)
 
 
 def first_per_key(rows: pa.Table) -> tuple[pa.Table, list[str]]:
