@@ -174,6 +174,14 @@ class LocalCluster:
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
         """Start the nodes, give each an equal range of slots, join them, wait until ok."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()  # never leave nodes of a half-made cluster running
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
         for node in self.nodes:
             node.start()
         share = CLUSTER_SLOTS // len(self.nodes)
@@ -187,13 +195,11 @@ class LocalCluster:
             deadline = time.monotonic() + timeout
             while not all(_cluster_ok(c, len(clients)) for c in clients):
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise StoreUnavailable(f"the local Redis Cluster was not ok in {timeout}s")
                 time.sleep(0.05)
         finally:
             for client in clients:
                 client.close()
-        return self
 
     def stop(self) -> None:
         """Stop every node and remove its directory."""

@@ -5,6 +5,7 @@
 -- slices (of an even size, so field/value pairs never split):
 --   sliced(list, fn)    calls fn(slice...) for each slice of list
 --   gathered(list, fn)  the same, concatenating the tables fn returns
+--   present(name)       whether a key exists (a lookup in a missing hash is skipped)
 
 local SLICE = 4000
 
@@ -15,6 +16,9 @@ local function sliced(list, fn)
 end
 
 local function gathered(list, fn)
+  if #list <= SLICE then
+    return fn(unpack(list))  -- one slice: its reply is the whole answer
+  end
   local out = {}
   sliced(list, function(...)
     local part = fn(...)
@@ -25,3 +29,7 @@ local function gathered(list, fn)
   return out
 end
 
+
+local function present(name)
+  return redis.call('EXISTS', name) == 1
+end

@@ -62,8 +62,11 @@ end
 local n = #keys
 local current = tag .. ':c:' .. window .. ':' .. gen
 local previous = tag .. ':c:' .. window .. ':' .. (gen - 1)
-local cur = gathered(keys, function(...) return redis.call('HMGET', current, ...) end)
-local prev = gathered(keys, function(...) return redis.call('HMGET', previous, ...) end)
+local none = {}  -- the reply of a lookup in a hash that does not exist
+local cur = present(current)
+  and gathered(keys, function(...) return redis.call('HMGET', current, ...) end) or none
+local prev = present(previous)
+  and gathered(keys, function(...) return redis.call('HMGET', previous, ...) end) or none
 
 -- The claim generations, newest first; held[j] / where[j]: a key's newest claim.
 local pgen = math.floor(now / pwidth)
@@ -73,10 +76,14 @@ for i = 0, span do
 end
 local held, where = {}, {}
 for i = 1, #hashes do
-  local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
-  for j = 1, n do
-    if values[j] and not held[j] then
-      held[j], where[j] = values[j], i
+  -- Claims leave their hash when their keys complete, so between batches the
+  -- claim generations are usually gone: no lookup then.
+  if present(hashes[i]) then
+    local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
+    for j = 1, n do
+      if values[j] and not held[j] then
+        held[j], where[j] = values[j], i
+      end
     end
   end
 end

@@ -62,7 +62,10 @@ if mode ~= 'end' and #ARGV > 9 then
   for i = 0, span do
     local hash = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
     hashes[i + 1] = hash
-    local values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
+    local values = {}
+    if present(hash) then
+      values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
+    end
     found[i + 1] = values
     for j = 1, n do
       if values[j] and not held[j] then
