@@ -1,9 +1,11 @@
-"""``idem schedule`` and ``idem retry {rebuild,stats}``.
+"""``idem schedule`` and ``idem retry {rebuild,compact,stats}``.
 
 ``idem schedule --group G`` runs the group's schedule service in the
 foreground until interrupted (SIGINT / SIGTERM); ``idem retry rebuild`` clears
 the group's Redis side and rebuilds it from the Delta retry journal; ``idem
-retry stats`` prints what is scheduled, in the retry topic and in the journal.
+retry compact`` snapshots the live messages into the journal so that rebuilds
+start from the snapshot instead of version 0; ``idem retry stats`` prints what
+is scheduled, in the retry topic and in the journal.
 """
 
 from __future__ import annotations
@@ -92,6 +94,23 @@ def _rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compact(args: argparse.Namespace) -> int:
+    engine = RetryEngine(_config(args))
+    try:
+        base = engine.compact_journal()
+        if base is None:
+            print(f"{engine.group}: no retry journal at {engine.journal.path} yet")
+        else:
+            print(
+                f"compacted {engine.journal.path}: {len(base.live)} live message(s) as of "
+                f"version {base.covers}, written at version {base.version}; a rebuild now "
+                f"reads from version {base.covers + 1}"
+            )
+    finally:
+        engine.close()
+    return 0
+
+
 def _stats(args: argparse.Namespace) -> int:
     engine = RetryEngine(_config(args))
     try:
@@ -119,13 +138,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     schedule.set_defaults(func=_schedule)
 
-    retry = subparsers.add_parser("retry", help="the resend path: rebuild, stats")
+    retry = subparsers.add_parser("retry", help="the resend path: rebuild, compact, stats")
     commands = retry.add_subparsers(dest="retry_command", metavar="ACTION", required=True)
     rebuild = commands.add_parser(
         "rebuild", help="clear the group's Redis side and rebuild it from the retry journal"
     )
     _add_config_options(rebuild)
     rebuild.set_defaults(func=_rebuild)
+    compact = commands.add_parser(
+        "compact",
+        help="snapshot the live messages into the retry journal so rebuilds start there",
+    )
+    _add_config_options(compact)
+    compact.set_defaults(func=_compact)
     stats = commands.add_parser("stats", help="scheduled / retrying counts, cursor, journal")
     _add_config_options(stats)
     stats.set_defaults(func=_stats)

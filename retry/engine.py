@@ -28,7 +28,7 @@ from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
-from idem.retry.journal import JournalEvent, JournalEventType, RetryJournal
+from idem.retry.journal import JournalBase, JournalEvent, JournalEventType, RetryJournal
 from idem.retry.message import MessageConst, MessageExt
 from idem.retry.policy import RetryPolicy
 from idem.retry.schedule import (
@@ -394,6 +394,11 @@ class RetryEngine:
         return self.faults.redis(
             lambda: self.journal.rebuild(self.store), what="rebuild from the retry journal"
         )
+
+    def compact_journal(self) -> JournalBase | None:
+        """Snapshot the live messages into the journal, so a rebuild starts there
+        (``idem retry compact``); ``None`` when there is no journal yet."""
+        return self.journal.compact(now_ms=self.clock.now_ms())  # each read/write fault-wrapped
 
     def _maybe_sync(self) -> None:
         """Sync when Redis lost the cursor (rebuild at once), else at most once a second."""

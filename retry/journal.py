@@ -6,8 +6,10 @@ Every send-back (``SCHEDULED``), dead-letter (``DEAD``) and acknowledgement
 Redis side keeps a cursor: the next journal position (commit version, row) it
 has applied, moved in the same Lua call as the effects. :meth:`RetryJournal.sync`
 applies whatever the cursor has not seen, in journal order; a missing cursor
-(``FLUSHALL``, a restart without persistence) means "apply everything from
-version 0", which is the rebuild. Losing Redis costs time, never a message.
+(``FLUSHALL``, a restart without persistence) means a rebuild: from the newest
+base (:meth:`RetryJournal.compact`, :mod:`idem.retry.journal_base`) and the events
+after it, or from version 0 when there is none. Losing Redis costs time, never a
+message.
 
 The table has Delta's change data feed enabled, so the rows of a range of
 versions are read without scanning the table (``load_cdf``).
@@ -16,10 +18,7 @@ versions are read without scanning the table (``load_cdf``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -27,158 +26,39 @@ from deltalake.transaction import CommitProperties, Transaction
 
 from idem.retry.errors import JournalError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
+from idem.retry.journal_base import (
+    BASE_OF,
+    JournalBase,
+    as_scheduled,
+    base_rows,
+    cursor_in_base,
+    history_windows,
+    parse_base_cursor,
+)
+from idem.retry.journal_events import (
+    JOURNAL_CONFIGURATION,
+    JOURNAL_SCHEMA,
+    START,
+    JournalEvent,
+    JournalEventType,
+    JournalPosition,
+    live_messages,
+    plan,
+)
 from idem.retry.store import APPLY_CHUNK, ApplyResult, Op, ScheduleStore
 
-
-class JournalEventType(StrEnum):
-    """What happened to a message of the resend path."""
-
-    SCHEDULED = "SCHEDULED"
-    """A send-back: ``msg_id`` waits in ``queue_id`` until ``due_ms`` (replacing ``replaces``)."""
-    DEAD = "DEAD"
-    """``msg_id`` was dead-lettered (its row is in ``%DLQ%<group>``)."""
-    ACKED = "ACKED"
-    """``msg_id`` was consumed successfully from the retry topic."""
-
-
-JOURNAL_SCHEMA = pa.schema(
-    [
-        ("group", pa.string()),
-        ("seq", pa.int32()),
-        ("event", pa.string()),
-        ("msg_id", pa.string()),
-        ("origin_msg_id", pa.string()),
-        ("key", pa.string()),
-        ("reconsume_times", pa.int32()),
-        ("delay_level", pa.int32()),
-        ("queue_id", pa.string()),
-        ("due_ms", pa.int64()),
-        ("replaces", pa.string()),
-        ("wire", pa.string()),
-        ("at_ms", pa.int64()),
-        ("app_id", pa.string()),
-        ("txn_version", pa.int64()),
-    ]
-)
-"""One row per event; ``seq`` orders the rows of one commit."""
-
-
-@dataclass(frozen=True, slots=True)
-class JournalEvent:
-    """One row of the journal."""
-
-    event: JournalEventType
-    msg_id: str
-    origin_msg_id: str
-    key: str | None = None
-    reconsume_times: int = 0
-    delay_level: int = 0
-    queue_id: str | None = None
-    due_ms: int | None = None
-    replaces: str | None = None
-    wire: str | None = None
-    at_ms: int = 0
-
-    @property
-    def removes(self) -> str | None:
-        """The msg id this event takes out of Redis, if any."""
-        if self.event is JournalEventType.SCHEDULED:
-            return self.replaces if self.replaces and self.replaces != self.msg_id else None
-        return self.msg_id
-
-    def ops(self, *, schedule: bool = True) -> list[Op]:
-        """The apply.lua steps of this event (``schedule=False`` keeps only the removal)."""
-        out: list[Op] = []
-        if self.removes:
-            out.append(Op("R", self.removes))
-        if schedule and self.event is JournalEventType.SCHEDULED:
-            out.append(
-                Op(
-                    "S",
-                    self.msg_id,
-                    self.origin_msg_id,
-                    self.queue_id or "",
-                    self.due_ms or 0,
-                    self.wire or "",
-                )
-            )
-        return out
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> JournalEvent:
-        """From a journal row."""
-        return cls(
-            event=JournalEventType(row["event"]),
-            msg_id=row["msg_id"],
-            origin_msg_id=row["origin_msg_id"],
-            key=row["key"],
-            reconsume_times=int(row["reconsume_times"] or 0),
-            delay_level=int(row["delay_level"] or 0),
-            queue_id=row["queue_id"],
-            due_ms=row["due_ms"],
-            replaces=row["replaces"],
-            wire=row["wire"],
-            at_ms=int(row["at_ms"] or 0),
-        )
-
-
-@dataclass(frozen=True, order=True, slots=True)
-class JournalPosition:
-    """A place in the journal: commit ``version``, row ``seq`` inside it."""
-
-    version: int
-    seq: int
-
-    def __str__(self) -> str:
-        return f"{self.version}:{self.seq}"
-
-    @classmethod
-    def parse(cls, text: str | None) -> JournalPosition | None:
-        """Parse ``"<version>:<seq>"``; ``None`` or garbage gives ``None``."""
-        if not text:
-            return None
-        version, _, seq = text.partition(":")
-        if not (version.isdigit() and seq.isdigit()):
-            return None
-        return cls(int(version), int(seq))
-
-
-START = JournalPosition(0, 0)
-
-JOURNAL_CONFIGURATION = {
-    "delta.enableChangeDataFeed": "true",
-    # Redis is rebuilt by replaying the log from version 0: keep every commit file.
-    "delta.logRetentionDuration": "interval 36500 days",
-    "delta.enableExpiredLogCleanup": "false",
-}
-"""Table properties of the journal, set when it is created."""
-
-
-def plan(events: Sequence[tuple[JournalPosition, JournalEvent]]) -> list[list[Op]]:
-    """The apply.lua steps of ``events`` (in journal order), one list per event.
-
-    A message scheduled and then removed later in the same slice is not scheduled
-    at all: replaying it would hand a consumer a message that was already done.
-    """
-    last_removal: dict[str, int] = {}
-    for index, (_pos, event) in enumerate(events):
-        if event.removes:
-            last_removal[event.removes] = index
-    return [
-        event.ops(schedule=last_removal.get(event.msg_id, -1) <= index)
-        for index, (_pos, event) in enumerate(events)
-    ]
-
-
-def live_messages(events: Iterable[JournalEvent]) -> dict[str, JournalEvent]:
-    """Msg id -> scheduling event of every message live after ``events`` (journal order)."""
-    live: dict[str, JournalEvent] = {}
-    for event in events:
-        if event.removes:
-            live.pop(event.removes, None)
-        if event.event is JournalEventType.SCHEDULED:
-            live.setdefault(event.msg_id, event)
-    return live
+__all__ = [
+    "JOURNAL_CONFIGURATION",
+    "JOURNAL_SCHEMA",
+    "START",
+    "JournalBase",
+    "JournalEvent",
+    "JournalEventType",
+    "JournalPosition",
+    "RetryJournal",
+    "live_messages",
+    "plan",
+]
 
 
 class RetryJournal:
@@ -207,13 +87,15 @@ class RetryJournal:
         *,
         app_id: str | None = None,
         txn_version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> int | None:
         """Append ``events`` as one commit and return its version.
 
         ``None`` when ``(app_id, txn_version)`` is already committed (a replayed batch)
-        or there is nothing to append.
+        or there is nothing to append (``metadata``, the commit info of a base, makes
+        even an empty commit).
         """
-        if not events:
+        if not events and metadata is None:
             return None
         rows = [
             {
@@ -241,10 +123,12 @@ class RetryJournal:
             props = CommitProperties(
                 app_transactions=[Transaction(app_id=app_id, version=txn_version)]
             )
+        elif metadata is not None:
+            props = CommitProperties(custom_metadata=dict(metadata))
 
         def write() -> int | None:
             with self._lock:
-                if props is not None and self.committed(app_id or "", txn_version or 0):
+                if app_id is not None and self.committed(app_id, txn_version or 0):
                     return None
                 table = self._load() or self._create()
                 # writing through the table object leaves it at exactly our commit's version
@@ -291,20 +175,25 @@ class RetryJournal:
             return None if table is None else table.version()
 
     def read_since(
-        self, position: JournalPosition
+        self, position: JournalPosition, *, until: int | None = None
     ) -> tuple[list[tuple[JournalPosition, JournalEvent]], JournalPosition]:
-        """Events at or after ``position`` in journal order, and the position after them."""
+        """Events at or after ``position`` (up to version ``until``) in journal order, and
+        the position after them. ``BASE`` rows are left out: they restate, never change."""
 
         def read() -> tuple[list[tuple[JournalPosition, JournalEvent]], JournalPosition]:
             with self._lock:
                 table = self._load()
                 if table is None:
                     return [], position
-                latest = table.version()
+                latest = table.version() if until is None else min(until, table.version())
                 if position.version > latest:
                     return [], position
                 reader = table.load_cdf(starting_version=position.version, ending_version=latest)
-                rows = pa.table(reader).to_pylist()
+                rows = [
+                    r
+                    for r in pa.table(reader).to_pylist()
+                    if r["event"] != JournalEventType.BASE
+                ]
             events = sorted(
                 (
                     (
@@ -342,6 +231,12 @@ class RetryJournal:
         total = ApplyResult()
         while True:
             raw = store.cursor()
+            if raw is None or parse_base_cursor(raw) is not None:
+                base = self.read_base()
+                if base is not None:  # a rebuild: from the newest base, not from version 0
+                    applied = self._apply_base(store, raw, base)
+                    total += applied or ApplyResult()
+                    continue  # the cursor stands after the base now (or someone moved it)
             start = JournalPosition.parse(raw) or START
             if own is not None and raw is not None and start == JournalPosition(own[0], 0):
                 events = [(JournalPosition(own[0], seq), e) for seq, e in enumerate(own[1])]
@@ -370,6 +265,84 @@ class RetryJournal:
             if not conflict:
                 return total
 
+    def _apply_base(
+        self, store: ScheduleStore, raw: str | None, base: JournalBase
+    ) -> ApplyResult | None:
+        """Schedule the base's live messages, resuming at the row a ``base:`` cursor names;
+        ``None`` when another caller moved the cursor first.
+
+        A message that an event after the base removes again is not scheduled: a
+        consumer could otherwise get it before that removal is applied.
+        """
+        parsed = parse_base_cursor(raw)
+        row = parsed[1] if parsed is not None and parsed[0] == base.version else 0
+        later, _ = self.read_since(base.resumes_at)
+        removed = {event.removes for _pos, event in later if event.removes}
+        rows = base.live
+        total = ApplyResult()
+        expect = raw
+        while True:
+            chunk = rows[row : row + APPLY_CHUNK]
+            row += len(chunk)
+            done = row >= len(rows)
+            new = str(base.resumes_at) if done else cursor_in_base(base.version, row)
+            ops = [op for e in chunk if e.msg_id not in removed for op in as_scheduled(e).ops()]
+            result = store.apply(ops, expect=expect, new=new)
+            if isinstance(result, str):
+                return None
+            total += result
+            if done:
+                return total
+            expect = new
+
+    def read_base(self) -> JournalBase | None:
+        """The newest base (:meth:`compact`), ``None`` when the journal has none."""
+
+        def read() -> JournalBase | None:
+            with self._lock:
+                table = self._load()
+                if table is None:
+                    return None
+                info = _newest_base_commit(table)
+                if info is None:
+                    return None
+                version = int(info["version"])
+                reader = table.load_cdf(starting_version=version, ending_version=version)
+                rows = [
+                    r
+                    for r in pa.table(reader).to_pylist()
+                    if r["_change_type"] == "insert" and r["event"] == JournalEventType.BASE
+                ]
+            rows.sort(key=lambda r: int(r["seq"]))
+            live = tuple(JournalEvent.from_row(r) for r in rows)
+            return JournalBase(version=version, covers=int(info[BASE_OF]), live=live)
+
+        return self.faults.delta(read, what="retry journal base read", wrap=JournalError)
+
+    def compact(self, *, now_ms: int, until: int | None = None) -> JournalBase | None:
+        """Append a base: every message live as of version ``until`` (default: the newest).
+
+        From then on a rebuild reads the base and the versions after ``until`` only.
+        Reads the previous base and what followed it (or everything, the first time).
+        ``None`` when there is no journal yet. Old rows stay (Delta time travel and
+        ``events()`` still see them); only the rebuild stops reading them.
+        """
+        latest = self.latest_version()
+        if latest is None:
+            return None
+        covers = latest if until is None else min(until, latest)
+        previous = self.read_base()
+        if previous is not None and previous.covers <= covers:
+            since = [as_scheduled(e) for e in previous.live]
+            tail, _ = self.read_since(previous.resumes_at, until=covers)
+            events = since + [e for _pos, e in tail]
+        else:
+            events = [e for _pos, e in self.read_since(START, until=covers)[0]]
+        rows = base_rows(list(live_messages(events).values()), now_ms)
+        version = self.append(rows, metadata={BASE_OF: str(covers)})
+        assert version is not None  # a base commit is written even when nothing is live
+        return JournalBase(version=version, covers=covers, live=tuple(rows))
+
     def rebuild(self, store: ScheduleStore, *, purge: bool = True) -> ApplyResult:
         """Rebuild the group's Redis side from the journal alone (``purge``: clear it first)."""
         if purge:
@@ -377,3 +350,16 @@ class RetryJournal:
         else:
             store.client.delete(store.keys.cursor)
         return self.sync(store)
+
+
+def _newest_base_commit(table: DeltaTable) -> dict[str, str] | None:
+    """``version`` and ``BASE_OF`` of the newest base commit, looking back through more
+    history each time."""
+    for window in history_windows():
+        history = table.history(window)
+        for info in history:  # newest first
+            if BASE_OF in info:
+                return {"version": str(info["version"]), BASE_OF: str(info[BASE_OF])}
+        if window is None or len(history) < window:
+            return None
+    return None
