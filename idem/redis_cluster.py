@@ -5,9 +5,10 @@ slot, but one batch touches many buckets and so many slots. On a single server
 that is one pipeline; redis-py's cluster pipeline refuses ``EVALSHA``, so on a
 Cluster :class:`RoutedPipelines` keeps one plain pipeline per primary (the node
 that owns each tag's slot) and sends them one after another. A node that
-answers ``MOVED``/``ASK``/``TRYAGAIN`` or drops the connection (a failover, a
-resharding) gets the slot map refreshed and its commands sent again to the new
-owner; every idem script is safe to run twice.
+answers ``MOVED`` or drops the connection (a failover, a finished resharding)
+gets the slot map refreshed and its commands sent again to the new owner; every
+idem script is safe to run twice. A slot in the middle of a migration (``ASK``)
+is waited for, never followed (see :meth:`RoutedPipelines._execute_node`).
 
 :class:`LocalCluster` starts a throw-away Cluster of real ``redis-server``
 processes on loopback ports, for tests and for trying idem on a Cluster.
@@ -39,9 +40,11 @@ _ROUTING_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError)
 _ATTEMPTS = 3
 
 
-def is_cluster(client: object) -> bool:
-    """Whether ``client`` talks to a Redis Cluster."""
-    return isinstance(client, RedisCluster)
+class _Lost(Exception):
+    """The connection dropped before the reply came: send the command again."""
+
+
+_RESEND = (*_ROUTING_ERRORS, _Lost)
 
 
 class RoutedPipelines:
@@ -57,7 +60,7 @@ class RoutedPipelines:
         self._cluster: Any = client if isinstance(client, RedisCluster) else None
         self._single: Any = None if self._cluster else client.pipeline(transaction=False)
         self._pipes: dict[str, Any] = {}
-        self._queued: list[tuple[str, int, str]] = []  # node, index in its pipeline, tag
+        self._queued: list[tuple[str, int]] = []  # node name, index in its pipeline
 
     def pipe(self, tag: str) -> Any:
         """The pipeline for the server owning ``tag``'s slot (queue one command on it)."""
@@ -68,7 +71,7 @@ class RoutedPipelines:
         if pipe is None:
             pipe = self._cluster.get_redis_connection(node).pipeline(transaction=False)
             self._pipes[node.name] = pipe
-        self._queued.append((node.name, len(pipe.command_stack), tag))
+        self._queued.append((node.name, len(pipe.command_stack)))
         return pipe
 
     def execute(self) -> list[Any]:
@@ -76,27 +79,31 @@ class RoutedPipelines:
         if self._cluster is None:
             replies: list[Any] = self._single.execute()
             return replies
-        by_node: dict[str, list[Any]] = {}
-        for name, pipe in self._pipes.items():
-            by_node[name] = self._execute_node(pipe)
-        return [by_node[name][index] for name, index, _ in self._queued]
+        by_node = {name: self._execute_node(pipe) for name, pipe in self._pipes.items()}
+        return [by_node[name][index] for name, index in self._queued]
 
     def _execute_node(self, pipe: Any) -> list[Any]:
-        """One node's pipeline; commands the node no longer owns go to the slot's new owner."""
+        """One node's pipeline. A command the node no longer owns (``MOVED``) goes to the
+        slot's owner in a refreshed slot map; ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN`` and lost
+        connections are sent again after a short wait. The last error is raised after 3
+        tries (the claim fails as "Redis unavailable", and its caller retries later).
+
+        ``ASK`` is not followed: it means the slot is being migrated, and idem's scripts
+        build the names of the hashes they read from the declared key's tag, so on the
+        importing node they would not see the hashes not moved yet.
+        """
         commands = list(pipe.command_stack)
         scripts = set(pipe.scripts)
         try:
             replies: list[Any] = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError, *_ROUTING_ERRORS):
-            replies = [MovedError("0 0.0.0.0:0")] * len(commands)
+        except (redis.ConnectionError, redis.TimeoutError, *_ROUTING_ERRORS) as exc:
+            replies = [_Lost(str(exc))] * len(commands)
         for attempt in range(_ATTEMPTS):
-            stray = [i for i, r in enumerate(replies) if isinstance(r, _ROUTING_ERRORS)]
+            stray = [i for i, r in enumerate(replies) if isinstance(r, _RESEND)]
             if not stray:
                 break
-            if attempt:
-                time.sleep(0.1 * 2**attempt)
-            assert self._cluster is not None
-            self._cluster.nodes_manager.initialize()  # the slot map changed under us
+            time.sleep(0.05 * 2**attempt)
+            self._cluster.nodes_manager.initialize()  # the slot map may have changed
             for i in stray:
                 replies[i] = self._resend(commands[i], scripts)
         for reply in replies:
@@ -105,18 +112,17 @@ class RoutedPipelines:
         return replies
 
     def _resend(self, command: Any, scripts: set[Any]) -> Any:
-        """Send one queued command again, to the node that owns its first key's slot now."""
-        assert self._cluster is not None
+        """Send one queued command again, to the owner of its first key's slot now.
+        Returns the reply, or the error to retry on."""
         args, options = command
-        key = _first_key(args)
-        node = self._cluster.get_node_from_key(key)
+        node = self._cluster.get_node_from_key(_first_key(args))
         pipe = self._cluster.get_redis_connection(node).pipeline(transaction=False)
         pipe.scripts = set(scripts)
         pipe.execute_command(*args, **options)
         try:
             return pipe.execute(raise_on_error=False)[0]
         except (redis.ConnectionError, redis.TimeoutError, *_ROUTING_ERRORS) as exc:
-            return exc if isinstance(exc, _ROUTING_ERRORS) else MovedError("0 0.0.0.0:0")
+            return exc if isinstance(exc, _ROUTING_ERRORS) else _Lost(str(exc))
 
 
 def _first_key(args: tuple[Any, ...]) -> Any:
