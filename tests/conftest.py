@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from redis_backends import RealRedis
 
 from idem.clock import ManualClock
 from idem.redis_cluster import LocalCluster
@@ -67,6 +68,17 @@ def cluster_redis(redis_cluster: LocalCluster) -> Iterator[redis.Redis]:
     client.flushall(target_nodes="primaries")
     yield client  # type: ignore[misc]  # a RedisCluster, which idem takes wherever Redis goes
     client.close()
+
+
+@pytest.fixture(params=["redis-server", "redis-cluster"])
+def real_backend(request: pytest.FixtureRequest) -> RealRedis:
+    """One real redis-server, or the 3-primary Cluster: for tests that must hold on both."""
+    if request.param == "redis-cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        client = request.getfixturevalue("cluster_redis")
+        return RealRedis(client, cluster.url, cluster.client)
+    server: RedisServer = request.getfixturevalue("redis_server")
+    return RealRedis(request.getfixturevalue("real_redis"), server.url, server.client)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Fixtures of the redelivery scenarios: a group per run, on the shared real redis-server."""
+"""Fixtures of the redelivery scenarios: a group per run, on a shared real Redis."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from harness import Group
-
-from idem.redis_server import RedisServer
+from redis_backends import RealRedis
 
 
 @pytest.fixture(params=[False, True], ids=["without-dedup", "with-dedup"])
@@ -20,10 +18,9 @@ def dedup(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture
-def group(
-    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path, dedup: bool
-) -> Iterator[Group]:
-    """A fresh consumer group with a 4-queue topic on the shared redis-server."""
-    g = Group(redis_server.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
+def group(real_backend: RealRedis, tmp_path: Path, dedup: bool) -> Iterator[Group]:
+    """A fresh consumer group with a 4-queue topic, on the shared redis-server and on the
+    shared 3-primary Cluster."""
+    g = Group(real_backend.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
     yield g
     g.close()

@@ -28,6 +28,7 @@ from redis.retry import Retry
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
+from idem.redis_client import connect
 from idem.redis_server import RedisServer
 from idem.retry.consumer import (
     ConsumeFromWhere,
@@ -146,7 +147,7 @@ class Group:
     middlewares: list[DedupMiddleware] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.client = redis.Redis.from_url(self.redis_url)
+        self.client = connect(self.redis_url)
         self.config = IdemConfig(
             group=self.name,
             redis_url=self.redis_url,
@@ -186,7 +187,7 @@ class Group:
         consumer = PushConsumer(
             self.config,
             settings=settings,
-            client=redis.Redis.from_url(self.redis_url),
+            client=connect(self.redis_url),
             offset_client=offset_client,
             instance_name=name,
         )
@@ -197,7 +198,7 @@ class Group:
             config = (
                 self.config if dedup_group is None else self.config.with_changes(group=dedup_group)
             )
-            mw = DedupMiddleware(Dedup(config, client=redis.Redis.from_url(self.redis_url)))
+            mw = DedupMiddleware(Dedup(config, client=connect(self.redis_url)))
             self.middlewares.append(mw)
             consumer.use(mw)
         if listener is None:
