@@ -49,6 +49,9 @@ from idem.retry.topic import RetryTopic
 
 log = logging.getLogger(__name__)
 
+DEFAULT_COMPACT_INTERVAL_MS = 6 * 3_600_000
+"""How often a running schedule service compacts its group's retry journal (one of them)."""
+
 StageObserver = Callable[[str, Sequence[MessageExt]], None]
 """Called at each stage of a send-back: ``dead_lettered``, ``journaled``, ``applied``,
 ``fallback``, ``resubmit``. An exception it raises propagates (a test stops there, as a crash)."""
@@ -395,6 +398,19 @@ class RetryEngine:
             lambda: self.journal.rebuild(self.store), what="rebuild from the retry journal"
         )
 
+    def maybe_compact_journal(self, interval_ms: int) -> JournalBase | None:
+        """Compact the journal unless a process of the group did within ``interval_ms``
+        (a marker in Redis with that TTL decides, so one process compacts per interval)."""
+        if interval_ms < 1:
+            raise ValueError(f"interval_ms: must be >= 1, got {interval_ms}")
+        due = self.faults.redis(
+            lambda: self.store.client.set(
+                self.store.keys.compacted, self.clock.now_ms(), nx=True, px=interval_ms
+            ),
+            what="claim the journal compaction",
+        )
+        return self.compact_journal() if due else None
+
     def compact_journal(self) -> JournalBase | None:
         """Snapshot the live messages into the journal, so a rebuild starts there
         (``idem retry compact``); ``None`` when there is no journal yet."""
@@ -469,9 +485,15 @@ class RetryEngine:
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_idle_ms: int = DEFAULT_MAX_IDLE_MS,
         sync_interval_ms: int = DEFAULT_SYNC_INTERVAL_MS,
+        compact_interval_ms: int | None = DEFAULT_COMPACT_INTERVAL_MS,
         name: str | None = None,
     ) -> ScheduleService:
-        """A :class:`ScheduleService` for this group (``start()`` it, or ``run()`` it)."""
+        """A :class:`ScheduleService` for this group (``start()`` it, or ``run()`` it).
+
+        Running, it also compacts the group's retry journal every
+        ``compact_interval_ms`` (one service of the group does; ``None``: never).
+        """
+        interval = compact_interval_ms
         return ScheduleService(
             self.store,
             clock=self.clock,
@@ -479,6 +501,7 @@ class RetryEngine:
             batch_size=batch_size,
             max_idle_ms=max_idle_ms,
             sync_interval_ms=sync_interval_ms,
+            maintenance=None if interval is None else lambda: self.maybe_compact_journal(interval),
             name=name,
         )
 

@@ -42,6 +42,10 @@ within a second and rebuilt at once."""
 LOST_CURSOR_PROBE_MS = 1000
 """How often a running service checks that Redis still has the journal cursor."""
 
+MAINTENANCE_CHECK_MS = 10_000
+"""How often a running service offers to do the group's maintenance (journal compaction;
+whether it is due is decided group-wide, see :meth:`RetryEngine.maybe_compact_journal`)."""
+
 
 class ScheduleService:
     """Delivers scheduled messages of one group when they are due."""
@@ -55,6 +59,7 @@ class ScheduleService:
         max_idle_ms: int = DEFAULT_MAX_IDLE_MS,
         sync: Callable[[], object] | None = None,
         sync_interval_ms: int = DEFAULT_SYNC_INTERVAL_MS,
+        maintenance: Callable[[], object] | None = None,
         name: str | None = None,
     ) -> None:
         if batch_size < 1:
@@ -65,11 +70,13 @@ class ScheduleService:
         self.max_idle_ms = max_idle_ms
         self.sync = sync
         self.sync_interval_ms = sync_interval_ms
+        self.maintenance = maintenance
         self.name = name or f"idem-schedule-{store.group}"
         self.moved_total = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_sync_ms: int | None = None
+        self._last_maintenance_ms: int | None = None
         self._next_due_ms: int | None = None
         self._sync_thread: threading.Thread | None = None
 
@@ -85,6 +92,18 @@ class ScheduleService:
             self.sync()
         except SYNC_FAILURES:
             log.warning("%s: journal sync failed; retrying later", self.name, exc_info=True)
+
+    def _maybe_maintain(self, now_ms: int) -> None:
+        if self.maintenance is None:
+            return
+        last = self._last_maintenance_ms
+        if last is not None and now_ms - last < MAINTENANCE_CHECK_MS:
+            return
+        self._last_maintenance_ms = now_ms
+        try:
+            self.maintenance()
+        except SYNC_FAILURES:
+            log.warning("%s: journal maintenance failed; retrying later", self.name, exc_info=True)
 
     def tick(self) -> int:
         """Move every message due now; returns how many were moved.
@@ -132,6 +151,7 @@ class ScheduleService:
             if lost:
                 self._last_sync_ms = None
             self._maybe_sync(self.clock.now_ms())
+            self._maybe_maintain(self.clock.now_ms())
 
     def run(self) -> None:
         """Run until :meth:`stop` (or ``KeyboardInterrupt`` in the foreground)."""

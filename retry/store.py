@@ -91,6 +91,11 @@ class RetryKeys:
         return f"{self.prefix}:journal:cursor"
 
     @property
+    def compacted(self) -> str:
+        """Marker that the group's journal was compacted recently (expires after the interval)."""
+        return f"{self.prefix}:journal:compacted"
+
+    @property
     def wake_channel(self) -> str:
         """Pub/sub channel telling schedule services that an earlier message arrived."""
         return f"{self.prefix}:schedule:wake"

@@ -7,17 +7,20 @@ every data file the versions before the base wrote: the rebuild must not need th
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import redis
+from deltalake import DeltaTable
 
 from idem.cli import main as idem_main
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry import MessageExt, RetryEngine, audit_states
+from idem.retry.journal_base import BASE_OF
 
 pytestmark = pytest.mark.integration
 
@@ -142,3 +145,31 @@ def test_a_running_sync_skips_the_base_and_the_cli_compacts_again(
     assert len(delivered) == 25
     audit = audit_states(engine, {m.msg_id for m in messages}, {m.origin_msg_id for m in messages})
     assert audit.ok, audit.describe()
+
+
+def test_running_schedule_services_compact_the_journal_once_per_interval(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_auto")
+    engine = RetryEngine(config)
+    engine.send_back(_messages(20, "s-"), delay_level=3)  # due in 1 s; nobody consumes
+    services = [
+        RetryEngine(config).schedule_service(compact_interval_ms=60_000, name=f"svc-{i}")
+        for i in range(2)
+    ]
+    for service in services:
+        service.start()
+    try:
+        deadline = time.monotonic() + 15
+        while engine.journal.read_base() is None:
+            assert time.monotonic() < deadline, "no service compacted the journal"
+            time.sleep(0.1)
+        time.sleep(1.5)  # both services have looked at least once by now
+    finally:
+        for service in services:
+            service.stop()
+    base = engine.journal.read_base()
+    assert base is not None
+    assert {e.origin_msg_id for e in base.live} == {f"s-{i}" for i in range(20)}
+    history = DeltaTable(config.resolved_journal_path).history()
+    assert sum(1 for info in history if BASE_OF in info) == 1  # one per interval, group-wide
