@@ -128,7 +128,11 @@ class RetryJournal:
 
         def write() -> int | None:
             with self._lock:
-                if app_id is not None and self.committed(app_id, txn_version or 0):
+                if (
+                    app_id is not None
+                    and txn_version is not None
+                    and self.committed(app_id, txn_version)
+                ):
                     return None
                 table = self._load() or self._create()
                 # writing through the table object leaves it at exactly our commit's version
@@ -190,9 +194,7 @@ class RetryJournal:
                     return [], position
                 reader = table.load_cdf(starting_version=position.version, ending_version=latest)
                 rows = [
-                    r
-                    for r in pa.table(reader).to_pylist()
-                    if r["event"] != JournalEventType.BASE
+                    r for r in pa.table(reader).to_pylist() if r["event"] != JournalEventType.BASE
                 ]
             events = sorted(
                 (
