@@ -40,8 +40,9 @@ _ROUTING_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError)
 _ATTEMPTS = 3
 
 
-class _Lost(Exception):
-    """The connection dropped before the reply came: send the command again."""
+class _Lost(redis.ConnectionError):
+    """The connection dropped before the reply came: send the command again (raised, it
+    is the connection error it stands for)."""
 
 
 _RESEND = (*_ROUTING_ERRORS, _Lost)
