@@ -444,25 +444,15 @@ def main() -> None:
         for batch in batches:
             n = args.messages if batch >= 16 else max(args.messages // 20, 1000)
             w = args.warmup if batch >= 16 else max(args.warmup // 20, 500)
-            plain = throughput(
-                server,
-                dedup=False,
-                messages=n,
-                warmup=w,
-                batch=batch,
-                threads=args.threads,
-                workdir=workdir,
-            )
-            dedup = throughput(
-                server,
-                dedup=True,
-                messages=n,
-                warmup=w,
-                batch=batch,
-                threads=args.threads,
-                workdir=workdir,
-                **dedup_options,
-            )
+            run: dict[str, Any] = {
+                "messages": n,
+                "warmup": w,
+                "batch": batch,
+                "threads": args.threads,
+                "workdir": workdir,
+            }
+            plain = throughput(server, dedup=False, **run)
+            dedup = throughput(server, dedup=True, **run, **dedup_options)
             print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}", flush=True)
         if args.skip_timeout:
             return

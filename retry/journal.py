@@ -28,11 +28,11 @@ from idem.retry.errors import JournalError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal_base import (
     BASE_OF,
+    HISTORY_WINDOWS,
     JournalBase,
     as_scheduled,
     base_rows,
     cursor_in_base,
-    history_windows,
     parse_base_cursor,
 )
 from idem.retry.journal_events import (
@@ -357,7 +357,7 @@ class RetryJournal:
 def _newest_base_commit(table: DeltaTable) -> dict[str, str] | None:
     """``version`` and ``BASE_OF`` of the newest base commit, looking back through more
     history each time."""
-    for window in history_windows():
+    for window in HISTORY_WINDOWS:
         history = table.history(window)
         for info in history:  # newest first
             if BASE_OF in info:

@@ -23,7 +23,9 @@ BASE_OF = "idem.journal.base_of"
 """Commit-info key of a base commit: the journal version the base restates."""
 
 _CURSOR_PREFIX = "base:"
-_HISTORY_WINDOWS = (100, 1_000, 10_000, None)
+
+HISTORY_WINDOWS = (100, 1_000, 10_000, None)
+"""How many newest commits to look through for a base, in turn (``None``: all)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +66,3 @@ def parse_base_cursor(raw: str | None) -> tuple[int, int] | None:
     if not (version.isdigit() and row.isdigit()):
         return None
     return int(version), int(row)
-
-
-def history_windows() -> tuple[int | None, ...]:
-    """How many newest commits to look through for a base, in turn (``None``: all)."""
-    return _HISTORY_WINDOWS

@@ -56,6 +56,11 @@ class RetryKeys:
         """``rmq:{<group>}``."""
         return f"rmq:{{{self.group}}}"
 
+    @property
+    def fixed(self) -> list[str]:
+        """The group's keys other than its schedule queues, in apply.lua's KEYS order."""
+        return [self.cursor, self.live, self.payloads, self.heads, self.stream, self.progress]
+
     def queue(self, queue_id: str) -> str:
         """The schedule queue ``queue_id`` (``level - 1``, or ``timer``)."""
         return f"{self.prefix}:{SCHEDULE_TOPIC}:{queue_id}"
@@ -186,14 +191,7 @@ class ScheduleStore:
     # -- applying journal events ---------------------------------------------------------
 
     def _apply_args(self, ops: Sequence[Op]) -> tuple[list[str], list[Any]]:
-        keys = [
-            self.keys.cursor,
-            self.keys.live,
-            self.keys.payloads,
-            self.keys.heads,
-            self.keys.stream,
-            self.keys.progress,
-        ]
+        keys = self.keys.fixed
         index: dict[str, int] = {}
         args: list[Any] = []
         for op in ops:
@@ -324,15 +322,7 @@ class ScheduleStore:
     def purge(self) -> int:
         """Delete every key of the group (before a forced rebuild); returns keys deleted."""
         queues = [_text(q) for q in self.client.zrange(self.keys.heads, 0, -1)]
-        names = [
-            self.keys.cursor,
-            self.keys.live,
-            self.keys.payloads,
-            self.keys.heads,
-            self.keys.stream,
-            self.keys.progress,
-            *(self.keys.queue(q) for q in queues),
-        ]
+        names = [*self.keys.fixed, *(self.keys.queue(q) for q in queues)]
         scanned = {
             _text(k) for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000)
         }

@@ -9,20 +9,18 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import redis
+from waiting import FAST, eventually
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.redis_server import RedisServer
 from idem.retry.consumer import (
-    ConsumeFromWhere,
-    ConsumerSettings,
     DedupMiddleware,
     MessageQueue,
     Producer,
@@ -35,24 +33,6 @@ from idem.retry.message import MessageExt
 from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
-
-FAST = ConsumerSettings(
-    consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
-    pull_block_ms=50,
-    heartbeat_interval_ms=100,
-    heartbeat_expire_ms=600,
-    rebalance_interval_ms=500,
-    persist_consumer_offset_interval_ms=100,
-    consume_thread_nums=4,
-)
-
-
-def eventually(check: Callable[[], object], timeout: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return value
 
 
 class Sink:

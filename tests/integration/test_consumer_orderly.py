@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from redis_backends import RealRedis
+from waiting import eventually
 
 from idem.config import IdemConfig
 from idem.retry.consumer import (
@@ -41,14 +42,6 @@ ORDERS, STEPS = 8, 5
 FLAKY, FLAKY_FAILURES = "O3-2", 2
 POISON = "O5-1"
 SUSPEND_MS = 200
-
-
-def eventually(check: Callable[[], object], timeout: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-    return value
 
 
 class OrderSink:

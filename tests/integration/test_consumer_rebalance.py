@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 from redis_backends import RealRedis
+from waiting import eventually
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
@@ -40,17 +41,10 @@ from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlySta
 
 pytestmark = pytest.mark.integration
 
+
 TOTAL = 50_000
 CHUNK = 2_000
 QUEUES = 8
-
-
-def eventually(check: Callable[[], object], timeout: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-    return value
 
 
 class BatchSink:
@@ -201,7 +195,9 @@ def test_three_consumers_join_and_leave_under_50k_messages(
                     )
                     and c3.engine is not None
                     and c3.engine.pending() == 0
-                )
+                ),
+                timeout=60.0,
+                interval=0.1,
             )
         finally:
             c3.shutdown()

@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import redis
+from waiting import eventually
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
@@ -33,14 +34,6 @@ from idem.retry.message import MessageExt
 from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
-
-
-def eventually(check: Callable[[], object], timeout: float = 15.0) -> object:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-    return value
 
 
 class StuckListener:

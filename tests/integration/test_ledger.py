@@ -85,14 +85,22 @@ def rows_for(
 
 
 def commit(
-    ledger: Ledger, keys: Sequence[str], clock: ManualClock, *, app: str = "app", txn: int = 0
+    ledger: Ledger,
+    keys: Sequence[str],
+    clock: ManualClock,
+    *,
+    app: str = "app",
+    txn: int = 0,
+    after: int | None = None,
 ) -> Any:
-    """Commit ``keys`` matching the lease horizon, as index mode does."""
+    """Commit ``keys`` matching the lease horizon; with ``after``, as index mode does (the
+    claim's Redis index had the versions up to it: a checked append)."""
     return ledger.commit(
         rows_for(keys, clock),
         app_id=app,
         txn_version=txn,
         match_since_ms=clock.now_ms() - LEASE_MS,
+        match_after_version=after,
     )
 
 
@@ -227,19 +235,6 @@ def test_two_writers_creating_the_ledger_at_once_insert_each_key_once(
     assert len(ledger_keys(writers[0])) == 150
 
 
-def indexed_commit(
-    ledger: Ledger, keys: Sequence[str], clock: ManualClock, *, after: int, app: str, txn: int = 0
-) -> Any:
-    """Commit ``keys`` as index mode does: the claim's Redis index had versions up to ``after``."""
-    return ledger.commit(
-        rows_for(keys, clock),
-        app_id=app,
-        txn_version=txn,
-        match_since_ms=clock.now_ms() - LEASE_MS,
-        match_after_version=after,
-    )
-
-
 def test_an_index_mode_commit_checks_only_the_versions_after_its_claim(
     tmp_path: Path, clock: ManualClock
 ) -> None:
@@ -249,14 +244,14 @@ def test_an_index_mode_commit_checks_only_the_versions_after_its_claim(
     v1 = commit(ledger, ["C"], clock, app="second").version
 
     # Claimed when Redis indexed v0 only: C, committed later by someone else, is caught.
-    late = indexed_commit(ledger, ["C", "D"], clock, after=v0, app="late")
+    late = commit(ledger, ["C", "D"], clock, after=v0, app="late")
     assert (late.inserted, late.already_present) == (1, ["C"])
     assert late.version == v1 + 1
     # The txn makes a retry of that very commit a replay that adds nothing.
-    assert indexed_commit(ledger, ["C", "D"], clock, after=v0, app="late").replayed
+    assert commit(ledger, ["C", "D"], clock, after=v0, app="late").replayed
     # Versions the claim covered are Redis's to answer (it said "new"): not read again,
     # which is what keeps the commit's cost off the size of the recent window.
-    covered = indexed_commit(ledger, ["E"], clock, after=late.version, app="next")
+    covered = commit(ledger, ["E"], clock, after=late.version, app="next")
     assert (covered.inserted, covered.already_present) == (1, [])
     assert ledger_keys(ledger) == ["A", "B", "C", "D", "E"]
 
@@ -275,7 +270,7 @@ def test_index_mode_commits_racing_for_the_same_keys_insert_each_once(
 
         def write(w: int, shared: list[str] = shared, after: int = after, r: int = round_) -> Any:
             own = [f"W{w}-{r}-{i}" for i in range(50)]
-            return indexed_commit(writers[w], own + shared, clock, after=after, app=f"w{w}", txn=r)
+            return commit(writers[w], own + shared, clock, after=after, app=f"w{w}", txn=r)
 
         results += race(write)
     assert sum(r.inserted for r in results) == 6 * (100 + 50)
@@ -299,7 +294,7 @@ def test_an_index_mode_commit_merges_when_the_versions_to_check_are_cleaned(
     fresh = DeltaLedger(str(path), clock=clock)
     # Version 1 (K1) is gone from the log: the commit falls back to the MERGE on the
     # rows completed within the lease horizon, which still finds K1 and K3.
-    result = indexed_commit(fresh, ["K1", "K3", "NEW"], clock, after=0, app="late")
+    result = commit(fresh, ["K1", "K3", "NEW"], clock, after=0, app="late")
     assert (result.inserted, sorted(result.already_present)) == (1, ["K1", "K3"])
     assert ledger_keys(fresh) == ["K0", "K1", "K2", "K3", "NEW"]
 
@@ -339,8 +334,8 @@ def test_keys_added_since_reads_each_file_once_and_never_its_own_appends(
     path = str(tmp_path / "ledger")
     mine, theirs = DeltaLedger(path, clock=clock), DeltaLedger(path, clock=clock)
     start = commit(theirs, ["seed"], clock, app="seed").version
-    own = indexed_commit(mine, ["M1", "M2", "M3"], clock, after=start, app="mine")
-    foreign = indexed_commit(theirs, ["T1", "T2"], clock, after=own.version, app="theirs")
+    own = commit(mine, ["M1", "M2", "M3"], clock, after=start, app="mine")
+    foreign = commit(theirs, ["T1", "T2"], clock, after=own.version, app="theirs")
 
     first = mine.keys_added_since(start)
     assert first is not None
@@ -368,7 +363,7 @@ def test_keys_added_since_follows_a_later_delete_of_remembered_rows(
     path = tmp_path / "ledger"
     ledger = DeltaLedger(str(path), clock=clock)
     start = commit(ledger, ["seed"], clock, app="seed").version
-    indexed_commit(ledger, ["gone", "kept"], clock, after=start, app="mine")
+    commit(ledger, ["gone", "kept"], clock, after=start, app="mine")
     DeltaTable(str(path)).delete("key = 'gone'")  # e.g. an operator's DELETE
 
     changed = ledger.keys_added_since(start)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from deltalake import DeltaTable
+from retry_helpers import drain
 
 from idem.cli import main as idem_main
 from idem.clock import ManualClock
@@ -36,17 +37,6 @@ def _messages(n: int, prefix: str) -> list[MessageExt]:
         MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}", body=b"{}")
         for i in range(n)
     ]
-
-
-def _drain(engine: RetryEngine, clock: ManualClock) -> list[MessageExt]:
-    """Everything still pending, delivered once and acknowledged."""
-    clock.advance(10)
-    engine.tick()
-    delivered: list[MessageExt] = []
-    while batch := engine.poll_retry("drain", 200):
-        delivered += batch
-        engine.ack(batch)
-    return delivered
 
 
 def _remove_data_files_up_to(table: Path, version: int) -> int:
@@ -90,7 +80,7 @@ def test_a_rebuild_after_compaction_reads_only_what_came_after_the_base(
     engine.sync()  # the cursor is gone: a rebuild, from the base
 
     assert engine.pending() == 150
-    delivered = _drain(engine, clock)
+    delivered = drain(engine, clock, after_s=10)
     counts = Counter(m.origin_msg_id for m in delivered)
     expected = {m.msg_id for m in sent + later} - done - dead
     assert set(counts) == expected, "a message was lost"
@@ -117,7 +107,7 @@ def test_events_committed_while_the_base_was_written_are_not_lost(
     real_redis.flushall()
     engine.sync()
     assert engine.pending() == 10
-    delivered = {m.origin_msg_id for m in _drain(engine, clock)}
+    delivered = {m.origin_msg_id for m in drain(engine, clock, after_s=10)}
     assert delivered == {f"{p}-{i}" for p in "ab" for i in range(5)}
 
 
@@ -141,7 +131,7 @@ def test_a_running_sync_skips_the_base_and_the_cli_compacts_again(
     assert idem_main(["retry", "compact", *args]) == 0  # a second base, from the first
     assert idem_main(["retry", "rebuild", *args]) == 0
     assert engine.pending() == 25
-    delivered = _drain(engine, clock)
+    delivered = drain(engine, clock, after_s=10)
     assert len(delivered) == 25
     audit = audit_states(engine, {m.msg_id for m in messages}, {m.origin_msg_id for m in messages})
     assert audit.ok, audit.describe()

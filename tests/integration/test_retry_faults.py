@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from retry_helpers import drain
 
 from idem.clock import ManualClock
 from idem.config import IdemConfig
@@ -55,16 +56,6 @@ def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
     ]
 
 
-def _drain(engine: RetryEngine, clock: ManualClock) -> list[MessageExt]:
-    clock.advance(3 * 3600)
-    engine.tick()
-    delivered: list[MessageExt] = []
-    while batch := engine.poll_retry("consumer", 500):
-        delivered += batch
-        engine.ack(batch)
-    return delivered
-
-
 def _assert_delivered_once(delivered: Sequence[MessageExt], expected: set[str]) -> None:
     counts = Counter(m.origin_msg_id for m in delivered)
     assert set(counts) == expected, f"lost: {sorted(expected - set(counts))[:5]}"
@@ -87,7 +78,7 @@ def test_redis_down_during_send_back_takes_the_client_side_resend(
     result = engine.send_back(_messages(10))
     assert {o.status for o in result.outcomes} == {SendBackStatus.FALLBACK}
     assert stages[-2:] == ["journaled", "fallback"]
-    delivered = _drain(engine, clock)
+    delivered = drain(engine, clock, after_s=3 * 3600)
     expected = {f"M{i}" for i in range(10)} | {f"before-{i}" for i in range(10)}
     _assert_delivered_once(delivered, expected)
     audit = audit_states(engine, expected, {m.origin_msg_id for m in delivered})
@@ -136,7 +127,7 @@ def test_redis_killed_and_restarted_during_1000_send_backs_loses_nothing(
     clock.advance(5)
     for message in to_resubmit[::2]:
         assert engine.send_back([message]).acknowledged
-    delivered = _drain(engine, clock)
+    delivered = drain(engine, clock, after_s=3 * 3600)
     _assert_delivered_once(delivered, expected)
     audit = audit_states(engine, expected, {m.origin_msg_id for m in delivered})
     assert audit.ok, audit.describe()
@@ -194,7 +185,7 @@ def test_a_crash_inside_send_back_then_a_retry_leaves_one_row_per_dead_message(
     letters = engine.dlq.list()
     assert sorted(letter.origin_msg_id for letter in letters) == sorted(f"D{i}" for i in range(20))
     assert all(letter.reconsume_times == 16 for letter in letters)
-    delivered = _drain(engine, clock)
+    delivered = drain(engine, clock, after_s=3 * 3600)
     _assert_delivered_once(delivered, {f"A{i}" for i in range(20)})
     expected = {f"D{i}" for i in range(20)} | {f"A{i}" for i in range(20)}
     audit = audit_states(engine, expected, {m.origin_msg_id for m in delivered})

@@ -40,6 +40,11 @@ def _messages(n: int, prefix: str = "M") -> list[MessageExt]:
     ]
 
 
+def _cli_args(config: IdemConfig, server: RedisServer, data_dir: Path) -> list[str]:
+    """The ``idem`` options naming the test's group, Redis and data directory."""
+    return ["--group", config.group, "--redis-url", server.url, "--data-dir", str(data_dir)]
+
+
 def _assert_invariant(engine: RetryEngine, expected: set[str], done: set[str]) -> None:
     audit = audit_states(engine, expected, done)
     assert audit.ok, audit.describe()
@@ -109,21 +114,7 @@ def test_flushall_after_1000_send_backs_then_rebuild(
     assert engine.pending() == 700
     real_redis.flushall()
     assert engine.pending() == 0
-    assert (
-        idem_main(
-            [
-                "retry",
-                "rebuild",
-                "--group",
-                config.group,
-                "--redis-url",
-                redis_server.url,
-                "--data-dir",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
+    assert idem_main(["retry", "rebuild", *_cli_args(config, redis_server, tmp_path)]) == 0
     assert engine.pending() == 700
     delivered = list(done)
     engine.tick()
@@ -184,12 +175,7 @@ def test_idem_schedule_command_runs_until_terminated(
         "-m",
         "idem.cli",
         "schedule",
-        "--group",
-        config.group,
-        "--redis-url",
-        redis_server.url,
-        "--data-dir",
-        str(tmp_path),
+        *_cli_args(config, redis_server, tmp_path),
         "--delay-levels",
         "100ms 200ms",
     ]
@@ -210,21 +196,7 @@ def test_idem_schedule_command_runs_until_terminated(
     assert process.returncode == 0, err
     assert "moved 50 message(s)" in err
     assert sorted(m.origin_msg_id for m in delivered) == sorted(f"M{i}" for i in range(50))
-    assert (
-        idem_main(
-            [
-                "retry",
-                "stats",
-                "--group",
-                config.group,
-                "--redis-url",
-                redis_server.url,
-                "--data-dir",
-                str(tmp_path),
-            ]
-        )
-        == 0
-    )
+    assert idem_main(["retry", "stats", *_cli_args(config, redis_server, tmp_path)]) == 0
     _assert_invariant(engine, {f"M{i}" for i in range(50)}, {f"M{i}" for i in range(50)})
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,23 +56,6 @@ FAST = ConsumerSettings(
     lock_interval_ms=300,
 )
 """RocketMQ's intervals, shortened so a scenario takes seconds."""
-
-
-def eventually(
-    check: Callable[[], object],
-    timeout: float = 20.0,
-    interval: float = 0.05,
-    what: str = "condition",
-) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class FileSink:

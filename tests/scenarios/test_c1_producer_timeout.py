@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Group, eventually, keys
+from harness import Group, keys
+from waiting import eventually
 
 from idem.redis_server import RedisServer
 from idem.retry.consumer import Producer, TopicStore, new_message

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import Group, eventually, keys
+from harness import Group, keys
+from waiting import eventually
 
 from idem.retry.consumer import consumer_offsets
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import Group, eventually, keys, offset_client
+from harness import Group, keys, offset_client
+from waiting import eventually
 
 from idem.redis_server import RedisServer
 from idem.retry.consumer import consumer_offsets

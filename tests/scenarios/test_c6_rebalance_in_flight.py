@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from harness import Group, eventually, keys
+from harness import Group, keys
+from waiting import eventually
 
 from idem.retry.consumer import DefaultMessageListenerConcurrently
 from idem.retry.message import MessageExt

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import FAST, Group, eventually, keys
+from harness import FAST, Group, keys
+from waiting import eventually
 
 from idem.retry.consumer import DefaultMessageListenerConcurrently
 from idem.retry.message import MessageExt

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import TOPIC, Group, eventually, keys
+from harness import TOPIC, Group, keys
+from waiting import eventually
 
 from idem.retry.consumer import reset_offset_by_time
 

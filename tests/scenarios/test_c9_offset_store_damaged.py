@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from harness import FAST, Group, eventually, keys
+from harness import FAST, Group, keys
+from waiting import eventually
 
 from idem.retry.consumer import LocalFileOffsetStore
 from idem.retry.status import MessageModel
