@@ -358,16 +358,19 @@ class PushConsumer:
         for pq in self.process_queues():
             if self.is_retry_queue(pq.mq) or pq.dropped:
                 continue
+            # Read before the bounds: a pull running meanwhile moves it only over messages
+            # that exist, so it cannot pass a maximum read after it.
+            offset = pq.next_offset
             low, high = self.topics.min_offset(pq.mq), self.topics.max_offset(pq.mq)
-            if pq.next_offset < low:
+            if offset < low:
                 illegal[pq.mq] = low
-            elif pq.next_offset > high:
+            elif offset > high:
                 illegal[pq.mq] = low if low == 0 else high
             if pq.mq in illegal:
                 log.warning(
                     "%s: pull offset %d of %s is outside [%d, %d]; resetting to %d",
                     self.client_id,
-                    pq.next_offset,
+                    offset,
                     pq.mq,
                     low,
                     high,
