@@ -14,7 +14,7 @@ Part 2 — ledger (real Delta tables under a temporary directory):
   batch into the same ledger.
   Targets: 10M <= 1.2x the 100k case; >= 5x faster than the plain MERGE at 10M.
 
-    python bench/claim.py [--sizes 100000,1000000,10000000] [--keys 100000] [--repeat 3]
+    python bench/claim.py [--sizes 100000,1000000,10000000] [--keys 100000] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--sizes", default="100000,1000000,10000000")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip-ledger", action="store_true")
     args = parser.parse_args()
     with RedisServer() as server:

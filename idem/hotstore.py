@@ -80,6 +80,7 @@ CLAIM_CHUNK = 1_000  # keys per claim/release/lookup call (1k-2k measured best)
 COMPLETE_CHUNK = 1_000  # keys per complete call
 INDEX_CHUNK = 5_000  # keys per ledger-load call
 INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at once
+SETTLE_LOOKUPS = 50_000  # lookups per settle call: ~15 ms of Redis time, then others run
 SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/load
 MAX_OWNER_CHARS = 256
 
@@ -149,6 +150,7 @@ class RedisHotStore:
         self._complete = _load_script(client, "complete.lua")
         self._release = _load_script(client, "release.lua")
         self._index = _load_script(client, "index.lua")
+        self._settle = _load_script(client, "settle.lua")
 
     @classmethod
     def from_config(
@@ -479,6 +481,40 @@ class RedisHotStore:
         if queued:
             replies = self._run(pipes, "index")
         return bool(replies[-1][1] == 1)
+
+    def settle_index(self, buckets: Iterable[int] | None = None) -> int:
+        """After a bulk load: make Redis finish growing the buckets' completed hashes now.
+
+        A hash that outgrew its table moves its entries to a bigger one a little
+        per later command, and until then every claim on it does double lookups
+        (``settle.lua`` has the details). A window rebuild leaves its big hashes in
+        that state; this finishes the move at load time, in calls of
+        ``SETTLE_LOOKUPS`` read-only lookups, instead of on the first live batches.
+        Returns the keys held by the settled hashes.
+        """
+        wanted = (
+            list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
+        )
+        gen = self.clock.now_ms() // self.completed_ttl_ms
+        names = [
+            (self._tags[bucket], f"{self._tags[bucket]}:c:{self._window}:{g}")
+            for bucket in wanted
+            for g in (gen, gen - 1)
+        ]
+        if not names:
+            return 0
+        pipes = self._pipes()
+        for tag, name in names:
+            self._settle(keys=[name], args=[SETTLE_LOOKUPS], client=pipes.pipe(tag))
+        sizes = [int(size) for size in self._run(pipes, "settle")]
+        pipes, queued = self._pipes(), 0
+        for (tag, name), size in zip(names, sizes, strict=True):
+            for _ in range(SETTLE_LOOKUPS, size, SETTLE_LOOKUPS):
+                self._settle(keys=[name], args=[SETTLE_LOOKUPS], client=pipes.pipe(tag))
+                queued += 1
+        if queued:
+            self._run(pipes, "settle")
+        return sum(sizes)
 
     def held_keys(self, buckets: Iterable[int] | None = None) -> dict[int, int]:
         """Completed keys each bucket holds in Redis now (current and previous generation).

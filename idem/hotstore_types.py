@@ -127,3 +127,7 @@ class HotStore(Protocol):
     ) -> bool:
         """Load ledger keys as COMPLETED and move the watermark; return whether it moved."""
         ...
+
+    def settle_index(self, buckets: Iterable[int] | None = None) -> int:
+        """After a bulk load, finish the store's growth work now, not on live claims."""
+        ...

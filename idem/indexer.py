@@ -120,6 +120,7 @@ class Indexer:
             self._hot.index_completed(
                 bucket, keys, prints, ats, to_version=snapshot.version, from_version=None
             )
+        self._hot.settle_index(buckets)
 
     def _load_missed(self, behind: Mapping[int, int]) -> None:
         changes = self._ledger.keys_added_since(min(behind.values()))
@@ -139,6 +140,8 @@ class Indexer:
             self._hot.index_completed(
                 bucket, keys, prints, ats, to_version=to_version, from_version=mark
             )
+        if changes is None:
+            self._hot.settle_index(list(behind))
 
 
 def _split_by_bucket(
