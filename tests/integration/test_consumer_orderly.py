@@ -16,16 +16,15 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from redis_backends import RealRedis
-from waiting import eventually
+from waiting import FAST, eventually
 
 from idem.config import IdemConfig
 from idem.retry.consumer import (
-    ConsumeFromWhere,
-    ConsumerSettings,
     Producer,
     PushConsumer,
     QueueLocks,
@@ -87,16 +86,12 @@ def test_order_kept_across_a_suspended_message(real_backend: RealRedis, tmp_path
         group=group, redis_url=real_backend.url, data_dir=str(tmp_path), max_reconsume_times=3
     )
     TopicStore(real_redis).create_topic("orders", 4)
-    settings = ConsumerSettings(
-        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
-        pull_block_ms=50,
-        heartbeat_interval_ms=100,
+    settings = replace(
+        FAST,
         heartbeat_expire_ms=1000,
-        rebalance_interval_ms=500,
         lock_interval_ms=200,
         persist_consumer_offset_interval_ms=200,
         suspend_current_queue_time_millis=SUSPEND_MS,
-        consume_thread_nums=4,
     )
     sink = OrderSink()
     consumers = []

@@ -15,19 +15,18 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 from redis_backends import RealRedis
-from waiting import eventually
+from waiting import FAST, eventually
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.retry import RetryEngine
 from idem.retry.consumer import (
-    ConsumeFromWhere,
-    ConsumerSettings,
     DedupMiddleware,
     MessageQueue,
     Producer,
@@ -118,15 +117,12 @@ def test_three_consumers_join_and_leave_under_50k_messages(
         group=group, redis_url=real_backend.url, data_dir=str(tmp_path), delay_levels="1s 1s 1s"
     )
     TopicStore(real_redis).create_topic("orders", QUEUES)
-    settings = ConsumerSettings(
-        consume_from_where=ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET,
+    settings = replace(
+        FAST,
         consume_message_batch_max_size=256,
         pull_batch_size=256,
         consume_thread_nums=16,
-        pull_block_ms=50,
-        heartbeat_interval_ms=100,
         heartbeat_expire_ms=800,
-        rebalance_interval_ms=500,
         persist_consumer_offset_interval_ms=200,
     )
     sink = BatchSink(tmp_path / "sink.jsonl")
