@@ -184,17 +184,17 @@ class ExactlyOnce:
         payload = st.StructType([f for f in schema.fields if f.name not in RETRY_COLUMNS])
         payload_columns = payload.fieldNames()
         codec = RowCodec(payload)
-        # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow (ids.py).
-        extra: list[Column] = []
+        # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow
+        # (ids.py). One SQL projection: one py4j call, however many columns.
+        extra: list[str] = []
         if self.fingerprint:
-            extra.append(fingerprint_hash(payload).alias(FINGERPRINT_COLUMN))
+            extra.append(f"{fingerprint_sql(payload)} AS {FINGERPRINT_COLUMN}")
         if self.msg_id is not None:
-            extra.append(F.col(f"`{self.msg_id}`").cast("string").alias(MSG_ID_COLUMN))
+            extra.append(f"CAST({_quoted(self.msg_id)} AS STRING) AS {MSG_ID_COLUMN}")
         elif self.fingerprint:
             # A redelivered copy of a row (same key, same payload) is the same message.
-            key_text = F.col(f"`{self.key}`").cast("string")
-            extra.append(F.xxhash64(key_text).alias(KEY_HASH_COLUMN))
-        table = (batch_df.select("*", *extra) if extra else batch_df).toArrow()
+            extra.append(f"xxhash64(CAST({_quoted(self.key)} AS STRING)) AS {KEY_HASH_COLUMN}")
+        table = (batch_df.selectExpr("*", *extra) if extra else batch_df).toArrow()
         clock.lap("arrow")
         run = BatchRun(
             table=table,
@@ -322,12 +322,22 @@ def fingerprint_hash(schema: st.StructType) -> Column:
     apart; map columns (which Spark cannot hash) are hashed as their JSON. The
     fingerprint is its text form (:func:`idem.spark.ids.spark_hex`).
     """
+    return F.expr(fingerprint_sql(schema))
+
+
+def fingerprint_sql(schema: st.StructType) -> str:
+    """:func:`fingerprint_hash` as a Spark SQL expression."""
     values = [
-        F.to_json(F.col(f"`{f.name}`")) if _has_map(f.dataType) else F.col(f"`{f.name}`")
+        f"to_json({_quoted(f.name)})" if _has_map(f.dataType) else _quoted(f.name)
         for f in schema.fields
     ]
-    flags = [F.col(f"`{f.name}`").isNull() for f in schema.fields]
-    return F.xxhash64(*values, *flags)
+    flags = [f"isnull({_quoted(f.name)})" for f in schema.fields]
+    return f"xxhash64({', '.join([*values, *flags])})"
+
+
+def _quoted(name: str) -> str:
+    """A column name as a Spark SQL identifier."""
+    return "`" + name.replace("`", "``") + "`"
 
 
 def _has_map(kind: st.DataType) -> bool:
@@ -361,7 +371,7 @@ def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
             raise ConfigError(
                 f"sink result: the returned DataFrame of failed rows has no key column {key!r}"
             )
-        values = result.select(f"`{key}`").toArrow().column(0).to_pylist()
+        values = result.selectExpr(_quoted(key)).toArrow().column(0).to_pylist()
         return dict.fromkeys(values, "rejected by the sink")
     if isinstance(result, str | bytes) or not isinstance(result, Iterable):
         raise ConfigError(

@@ -352,6 +352,58 @@ def test_fingerprints_keep_sparks_hex_form_and_copies_share_a_message_id(
     assert message.origin_msg_id == rows["A"]["msg_id"]  # a resend keeps ORIGIN_MESSAGE_ID
 
 
+def test_the_sql_fingerprint_is_the_column_formula_earlier_versions_stored(
+    spark: SparkSession,
+) -> None:
+    """The fingerprint is one SQL projection now (one py4j call); its values must be those
+    of the Column formula the ledger and Redis hold from before, for odd names and maps."""
+    schema = st.StructType(
+        [
+            *SCHEMA.fields,
+            st.StructField("a`b c", st.StringType()),
+            st.StructField("attrs", st.MapType(st.StringType(), st.LongType())),
+        ]
+    )
+    rows = [(*r, "x", {"k": 1}) for r in _rows("A", "B")] + [(None,) * len(schema.fields)]
+    df = spark.createDataFrame(rows, schema)
+    cols = [F.col("`" + f.name.replace("`", "``") + "`") for f in schema.fields]
+    values = [
+        F.to_json(c) if isinstance(f.dataType, st.MapType) else c
+        for c, f in zip(cols, schema.fields, strict=True)
+    ]
+    earlier = F.xxhash64(*values, *(c.isNull() for c in cols))
+    both = df.select(fingerprint_hash(schema).alias("now"), earlier.alias("before")).toArrow()
+    assert len(set(both.column("now").to_pylist())) == 3
+    assert both.column("now").to_pylist() == both.column("before").to_pylist()
+
+
+def test_column_names_with_backticks_and_spaces_work_as_key_and_payload(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Spark SQL needs such names quoted with doubled backticks; a sink returning a
+    DataFrame of failed rows is read back by that name too."""
+    seen: list[dict[str, Any]] = []
+
+    def sink(fresh: DataFrame, batch_id: int) -> DataFrame:
+        seen.extend(fresh.toArrow().to_pylist())
+        return fresh.where(F.col("`my value`") < 0)
+
+    config = config_for(tmp_path, redis_server.url, "quoted")
+    wrapped = exactly_once(key="order`id", config=config, client=real_redis)(sink)
+    wrapped.query_id = "q"
+    rows = spark.createDataFrame(
+        [("A", 1), ("B", -1), ("A", 1)], "`order``id` string, `my value` int"
+    )
+    first = wrapped.process(rows, 0)
+    assert [r["order`id"] for r in seen] == ["A", "B"]
+    assert first.applied_keys == ("A",)
+    assert first.failed_keys == ("B",)
+    assert first.duplicates == {"in_batch": 1}
+    again = wrapped.process(rows, 1)
+    assert again.duplicates == {"in_batch": 1, "completed": 1}
+    assert again.failed_keys == ("B",)
+
+
 def test_on_a_redis_cluster_the_sinks_stay_exactly_once_and_failures_are_retried(
     spark: SparkSession, redis_cluster: LocalCluster, cluster_redis: Any, tmp_path: Path
 ) -> None:
