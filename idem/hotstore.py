@@ -83,6 +83,7 @@ INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at
 SETTLE_LOOKUPS = 50_000  # lookups per settle call: ~15 ms of Redis time, then others run
 SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/load
 MAX_OWNER_CHARS = 256
+_SPAN_DECLARED = 3  # generations an index call declares as a range (else the exact ones)
 
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
@@ -179,6 +180,14 @@ class RedisHotStore:
         tag = self._tags[bucket_of(key, self.buckets)]
         return f"{tag}:p:{CLAIM_GEN_MS}:{self.clock.now_ms() // CLAIM_GEN_MS}"
 
+    def _claim_names(self, tag: str, now_ms: int) -> list[str]:
+        """The claim generation hashes a call at ``now_ms`` may touch, newest first."""
+        pgen = now_ms // CLAIM_GEN_MS
+        return [f"{tag}:p:{CLAIM_GEN_MS}:{pgen - i}" for i in range(self._span + 1)]
+
+    def _completed_name(self, tag: str, gen: int) -> str:
+        return f"{tag}:c:{self._window}:{gen}"
+
     def watermark_name(self, bucket: int) -> str:
         """The Redis name of a bucket's watermark."""
         return self._wm[self._bucket(bucket)]
@@ -231,7 +240,9 @@ class RedisHotStore:
         reported stale.
         """
         self._owner(owner)
-        head_tail = [str(self.clock.now_ms()), owner, str(self.lease_ms), self._claim_gens]
+        now = self.clock.now_ms()
+        gen = now // self.completed_ttl_ms
+        head_tail = [str(now), owner, str(self.lease_ms), self._claim_gens]
         head_tail += [_version("min_version", min_version), self._window]
         pipes = self._pipes()
         plan: list[tuple[int, list[str]]] = []
@@ -240,7 +251,12 @@ class RedisHotStore:
             keys = given if isinstance(given, list) else list(given)
             tag = self._tags[bucket]
             head = [tag, *head_tail]
-            routing = [self._wm[bucket]]
+            routing = [
+                self._wm[bucket],
+                self._completed_name(tag, gen),
+                self._completed_name(tag, gen - 1),
+                *self._claim_names(tag, now),
+            ]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
                 self._claim(keys=routing, args=head + chunk, client=pipes.pipe(tag))
@@ -317,9 +333,14 @@ class RedisHotStore:
                 raise ValueError(f"fingerprints: no fingerprint for key {exc.args[0]!r}") from None
             if "|" in "".join(prints):
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
-            routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{token}"]
-            head = [self._tags[bucket], *head_tail]
             tag = self._tags[bucket]
+            routing = [self._wm[bucket], f"{tag}:s:{token}"]
+            if keys:
+                routing += [
+                    self._completed_name(tag, at // self.completed_ttl_ms),
+                    *self._claim_names(tag, now),
+                ]
+            head = [tag, *head_tail]
             for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
                 self._complete(keys=routing, args=args, client=pipes.pipe(tag))
                 plan.append((bucket, keys, offset, decides))
@@ -349,12 +370,12 @@ class RedisHotStore:
         for bucket, keys in keys_by_bucket.items():
             self._bucket(bucket)
             tag = self._tags[bucket]
-            head = [tag, owner, str(self.clock.now_ms()), self._claim_gens]
+            now = self.clock.now_ms()
+            head = [tag, owner, str(now), self._claim_gens]
+            routing = [self._wm[bucket], *self._claim_names(tag, now)]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
-                self._release(
-                    keys=[self._wm[bucket]], args=head + list(chunk), client=pipes.pipe(tag)
-                )
+                self._release(keys=routing, args=head + list(chunk), client=pipes.pipe(tag))
                 calls += 1
         if not calls:
             return 0
@@ -460,20 +481,23 @@ class RedisHotStore:
             )
         if "|" in "".join(fingerprints):
             raise ValueError("fingerprints: a fingerprint must not contain '|'")
-        routing = [self._wm[bucket], f"{self._tags[bucket]}:s:{uuid.uuid4().hex}"]
+        tag = self._tags[bucket]
+        routing = [self._wm[bucket], f"{tag}:s:{uuid.uuid4().hex}"]
+        now = self.clock.now_ms()
         head = [
-            self._tags[bucket],
-            str(self.clock.now_ms()),
+            tag,
+            str(now),
             self._window,
             _version("to_version", to_version),
             "" if from_version is None else _version("from_version", from_version),
         ]
         columns = (keys, fingerprints, completed_at_ms)
-        tag = self._tags[bucket]
         pipes = self._pipes()
         queued = 0
-        for args, _, _ in _calls(head, columns, INDEX_CHUNK):
-            self._index(keys=routing, args=args, client=pipes.pipe(tag))
+        for args, start, _ in _calls(head, columns, INDEX_CHUNK):
+            ats = completed_at_ms[start : start + INDEX_CHUNK]
+            names = [self._completed_name(tag, g) for g in self._generations(ats, now)]
+            self._index(keys=routing + names, args=args, client=pipes.pipe(tag))
             queued += 1
             if queued == INDEX_CHUNKS_PER_PIPELINE:  # bound what one round trip buffers
                 replies = self._run(pipes, "index")
@@ -481,6 +505,17 @@ class RedisHotStore:
         if queued:
             replies = self._run(pipes, "index")
         return bool(replies[-1][1] == 1)
+
+    def _generations(self, completed_at_ms: Sequence[int], now_ms: int) -> list[int]:
+        """The completed generations keys completed at these times go to (while in the window)."""
+        live = now_ms - self.completed_ttl_ms  # index.lua skips a key unless at > live
+        if not completed_at_ms or max(completed_at_ms) <= live:
+            return []
+        low = max(min(completed_at_ms), live + 1) // self.completed_ttl_ms
+        high = max(completed_at_ms) // self.completed_ttl_ms
+        if high - low <= _SPAN_DECLARED:
+            return list(range(low, high + 1))
+        return sorted({at // self.completed_ttl_ms for at in completed_at_ms if at > live})
 
     def settle_index(self, buckets: Iterable[int] | None = None) -> int:
         """After a bulk load: make Redis finish growing the buckets' completed hashes now.

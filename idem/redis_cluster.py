@@ -7,8 +7,8 @@ Cluster :class:`RoutedPipelines` keeps one plain pipeline per primary (the node
 that owns each tag's slot) and sends them one after another. A node that
 answers ``MOVED`` or drops the connection (a failover, a finished resharding)
 gets the slot map refreshed and its commands sent again to the new owner; every
-idem script is safe to run twice. A slot in the middle of a migration (``ASK``)
-is waited for, never followed (see :meth:`RoutedPipelines._execute_node`).
+idem script is safe to run twice. A slot in the middle of a migration (``ASK``,
+``TRYAGAIN``) is waited for, never followed (see :meth:`RoutedPipelines._execute_node`).
 
 :class:`LocalCluster` starts a throw-away Cluster of real ``redis-server``
 processes on loopback ports, for tests and for trying idem on a Cluster.
@@ -37,7 +37,10 @@ CLUSTER_SLOTS = 16_384
 BUS_PORT_OFFSET = 10_000
 """A Cluster node also listens on its port + 10000 (the cluster bus)."""
 _ROUTING_ERRORS = (MovedError, AskError, TryAgainError, ClusterDownError)
+_MIGRATING = (AskError, TryAgainError)
 _ATTEMPTS = 3
+MIGRATION_WAIT_S = 30.0
+"""How long a command on a slot in the middle of a migration is retried before it fails."""
 
 
 class _Lost(redis.ConnectionError):
@@ -85,13 +88,14 @@ class RoutedPipelines:
 
     def _execute_node(self, pipe: Any) -> list[Any]:
         """One node's pipeline. A command the node no longer owns (``MOVED``) goes to the
-        slot's owner in a refreshed slot map; ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN`` and lost
-        connections are sent again after a short wait. The last error is raised after 3
-        tries (the claim fails as "Redis unavailable", and its caller retries later).
+        slot's owner in a refreshed slot map; ``CLUSTERDOWN`` and lost connections are sent
+        again after a short wait, 3 times, then the error is raised (the claim fails as
+        "Redis unavailable", and its caller retries later).
 
-        ``ASK`` is not followed: it means the slot is being migrated, and idem's scripts
-        build the names of the hashes they read from the declared key's tag, so on the
-        importing node they would not see the hashes not moved yet.
+        ``ASK`` and ``TRYAGAIN`` mean the slot is being migrated: the command is sent again
+        until the migration ends (up to ``MIGRATION_WAIT_S``), never followed to the
+        importing node. Every idem script declares all the keys it touches, so the node
+        refuses to run it while any of them is elsewhere (see ``idem/lua/_prelude.lua``).
         """
         commands = list(pipe.command_stack)
         scripts = set(pipe.scripts)
@@ -99,11 +103,17 @@ class RoutedPipelines:
             replies: list[Any] = pipe.execute(raise_on_error=False)
         except (redis.ConnectionError, redis.TimeoutError, *_ROUTING_ERRORS) as exc:
             replies = [_Lost(str(exc))] * len(commands)
-        for attempt in range(_ATTEMPTS):
+        deadline = time.monotonic() + MIGRATION_WAIT_S
+        attempt = 0
+        while True:
             stray = [i for i, r in enumerate(replies) if isinstance(r, _RESEND)]
             if not stray:
                 break
-            time.sleep(0.05 * 2**attempt)
+            migrating = all(isinstance(replies[i], _MIGRATING) for i in stray)
+            if attempt >= _ATTEMPTS and not (migrating and time.monotonic() < deadline):
+                break
+            time.sleep(min(0.05 * 2**attempt, 0.5))
+            attempt += 1
             self._cluster.nodes_manager.initialize()  # the slot map may have changed
             for i in stray:
                 replies[i] = self._resend(commands[i], scripts)

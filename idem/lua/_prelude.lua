@@ -6,6 +6,12 @@
 --   sliced(list, fn)    calls fn(slice...) for each slice of list
 --   gathered(list, fn)  the same, concatenating the tables fn returns
 --   present(name)       whether a key exists (a lookup in a missing hash is skipped)
+--   declared(name)      name itself, or an error when it is not one of KEYS
+--
+-- Every name a script builds goes through declared(): the caller declares all of
+-- them in KEYS, so on a Redis Cluster whose slot is being migrated the server
+-- answers ASK/TRYAGAIN instead of running the script on a node that already gave
+-- some of those keys away (the script would take a moved hash for an empty one).
 
 local SLICE = 4000
 
@@ -32,4 +38,17 @@ end
 
 local function present(name)
   return redis.call('EXISTS', name) == 1
+end
+
+
+local DECLARED = {}
+for i = 1, #KEYS do
+  DECLARED[KEYS[i]] = true
+end
+
+local function declared(name)
+  if not DECLARED[name] then
+    error('idem: the script touches ' .. name .. ' without declaring it in KEYS')
+  end
+  return name
 end

@@ -1,6 +1,8 @@
 -- idem: claim a batch of business keys of ONE bucket (atomic per call).
 --
 -- KEYS[1]  watermark of the bucket      idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
+-- KEYS[2..] every hash named below that this call may read or write: the current
+--          and previous completed generations, the claim generations pgen-span..pgen
 -- ARGV[1]  hash tag of the bucket       idem:{<group>:<bucket>}
 -- ARGV[2]  now_ms (from the caller's clock, never Redis TIME)
 -- ARGV[3]  owner token (no '|')
@@ -23,7 +25,7 @@
 -- (as R or X below) for at least width. Every lookup and write is one C-level
 -- command per chunk and hash (HMGET, HSET, HDEL), none per key.
 --
--- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/present/declared from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {0} when the watermark is missing, below min_version or written for
 -- another window: nothing was claimed, the caller must catch the index up first.
@@ -60,8 +62,8 @@ for i = 8, #ARGV do
   keys[#keys + 1] = ARGV[i]
 end
 local n = #keys
-local current = tag .. ':c:' .. window .. ':' .. gen
-local previous = tag .. ':c:' .. window .. ':' .. (gen - 1)
+local current = declared(tag .. ':c:' .. window .. ':' .. gen)
+local previous = declared(tag .. ':c:' .. window .. ':' .. (gen - 1))
 local none = {}  -- the reply of a lookup in a hash that does not exist
 local cur = present(current)
   and gathered(keys, function(...) return redis.call('HMGET', current, ...) end) or none
@@ -72,7 +74,7 @@ local prev = present(previous)
 local pgen = math.floor(now / pwidth)
 local hashes = {}
 for i = 0, span do
-  hashes[i + 1] = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+  hashes[i + 1] = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
 end
 local held, where = {}, {}
 for i = 1, #hashes do

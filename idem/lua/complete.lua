@@ -4,6 +4,8 @@
 -- KEYS[1]  watermark of the bucket     idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
 -- KEYS[2]  session key of a multi-call completion  idem:{<group>:<bucket>}:s:<token>
 --          (used by modes 'part' and 'end' only)
+-- KEYS[3..] every hash named below that this call may read or write: the claim
+--          generations pgen-span..pgen and the completed generation of ARGV[5]
 -- ARGV[1]  hash tag of the bucket      idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms (caller's clock)
@@ -32,7 +34,7 @@
 -- The watermark moves to max(wm, version) only if it exists for this window,
 -- wm >= version - 1 and no key of the bucket was fenced.
 --
--- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/present/declared from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {codes, advanced}: codes has one character per key, in order:
 --   C  written COMPLETED     F  fenced
@@ -60,7 +62,7 @@ if mode ~= 'end' and #ARGV > 9 then
   local pgen = math.floor(now / pwidth)
   local hashes, held, found = {}, {}, {}
   for i = 0, span do
-    local hash = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+    local hash = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
     hashes[i + 1] = hash
     local values = {}
     if present(hash) then
@@ -98,7 +100,7 @@ if mode ~= 'end' and #ARGV > 9 then
   local gen = math.floor(at / width)
   local px = (gen + 2) * width - now
   if #fields > 0 and px > 0 then
-    local hash = tag .. ':c:' .. window .. ':' .. gen
+    local hash = declared(tag .. ':c:' .. window .. ':' .. gen)
     sliced(fields, function(...) redis.call('HSET', hash, ...) end)
     redis.call('PEXPIRE', hash, string.format('%d', px))
   end

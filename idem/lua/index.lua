@@ -3,6 +3,7 @@
 --
 -- KEYS[1]  watermark of the bucket         idem:{<group>:<bucket>}:wm  "<version>|<window_ms>"
 -- KEYS[2]  session key of a multi-call load  idem:{<group>:<bucket>}:s:<token>
+-- KEYS[3..] the completed generation hashes this call's keys go to (see below)
 -- ARGV[1]  hash tag of the bucket          idem:{<group>:<bucket>}
 -- ARGV[2]  now_ms (caller's clock)
 -- ARGV[3]  window_ms: the dedup window
@@ -26,7 +27,7 @@
 -- is missing or written for another window) or (the wm exists for this window
 -- and wm >= from_version).
 --
--- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/declared from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {written, advanced}: keys written, and 1 if the watermark now covers
 -- to_version (else 0).
@@ -54,7 +55,7 @@ if mode ~= 'end' and #ARGV > 7 then
     end
   end
   for gen, list in pairs(by_gen) do
-    local hash = tag .. ':c:' .. window .. ':' .. gen
+    local hash = declared(tag .. ':c:' .. window .. ':' .. gen)
     local names = {}
     for j = 1, #list do
       names[j] = ARGV[list[j]]

@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  watermark key of the bucket (not touched; it routes the call to the
 --          bucket's cluster slot, which every name built from ARGV[1] shares)
+-- KEYS[2..] the claim generation hashes pgen-span..pgen (see claim.lua)
 -- ARGV[1]  hash tag of the bucket   idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms (caller's clock)
@@ -12,7 +13,7 @@
 -- only while this owner holds it (live or expired lease); COMPLETED keys live
 -- elsewhere and other owners' claims are never touched. One HMGET and at most
 -- one HDEL per claim generation.
--- Uses sliced/gathered from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/declared from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns the number of keys released.
 
@@ -32,7 +33,7 @@ local pgen = math.floor(now / pwidth)
 local released = {}
 local count = 0
 for i = 0, span do
-  local hash = tag .. ':p:' .. pwidth .. ':' .. (pgen - i)
+  local hash = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
   local values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
   local drop = {}
   for j = 1, #keys do

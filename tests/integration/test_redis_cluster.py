@@ -8,6 +8,8 @@ resend path on a group's one slot.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,64 @@ def test_a_slot_moved_under_a_client_is_followed(
     target_conn = cluster_redis.get_redis_connection(target)
     assert target_conn.exists(f"{tag}:wm")  # the bucket's index lives on the new owner
     assert dd.begin(moved_keys, owner="q:1").fresh == ()
+
+
+def test_a_claim_during_a_live_resharding_waits_for_the_slot_instead_of_missing_its_keys(
+    tmp_path: Path, redis_cluster: LocalCluster, cluster_redis: Any
+) -> None:
+    """Resharding moves a slot's keys one at a time. A claim must not run on a node that
+    already gave away its bucket's completed-keys hash (it would take completed keys for
+    new ones), nor fail: with every name a script touches declared, that node answers
+    TRYAGAIN/ASK, the claim waits, and once the slot has moved it finds the keys completed
+    on the new owner. (Declaring only the watermark, Redis refused the script with "non
+    local key" and the claim failed.)"""
+    config = IdemConfig(
+        group="resharding", redis_url=redis_cluster.url, data_dir=str(tmp_path), buckets=1
+    )
+    dd = Dedup(config)
+    keys = [f"ORDERID_{i}" for i in range(100)]
+    dd.complete(dd.begin(keys, owner="q:0"), batch_id=0)
+
+    tag = "idem:{resharding:0}"
+    slot = cluster_redis.keyslot(tag)
+    source = cluster_redis.get_node_from_key(tag)
+    target = next(n for n in cluster_redis.get_primaries() if n.name != source.name)
+    src = cluster_redis.get_redis_connection(source)
+    dst = cluster_redis.get_redis_connection(target)
+    src_id = src.execute_command("CLUSTER", "MYID")
+    dst_id = dst.execute_command("CLUSTER", "MYID")
+
+    def migrate(names: list[Any]) -> None:
+        src.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *names)
+
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    completed = src.keys(f"{tag}:c:*")
+    assert completed
+    migrate(completed)  # the completed keys are gone from the source, its watermark is not
+    assert src.exists(f"{tag}:wm")
+
+    def finish() -> None:
+        time.sleep(1.0)
+        rest = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if rest:
+            migrate(rest)
+        for node in cluster_redis.get_primaries():
+            conn = cluster_redis.get_redis_connection(node)
+            conn.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+    mover = threading.Thread(target=finish)
+    mover.start()
+    try:
+        started = time.monotonic()
+        claim = dd.begin([*keys, "ORDERID_new"], owner="q:1")
+        waited = time.monotonic() - started
+    finally:
+        mover.join()
+    assert [claim.keys[i] for i in claim.fresh] == ["ORDERID_new"]
+    assert len(claim.duplicates) == 100
+    assert waited > 0.5  # it waited for the migration rather than answering at once
+    assert dst.exists(f"{tag}:wm")
 
 
 def test_one_evicting_primary_is_refused(

@@ -573,3 +573,21 @@ def test_the_eviction_check_warns_when_config_is_not_allowed(
     with caplog.at_level(logging.WARNING, logger="idem.hotstore"):
         store.check_eviction_policy()
     assert "noeviction" in caplog.text
+
+
+def test_every_hash_a_script_touches_is_declared_or_the_script_refuses(
+    store: RedisHotStore, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    """On a Cluster, declared keys are what Redis checks during a slot migration; a script
+    building a name its caller did not declare stops instead of touching it."""
+    store.complete(by_bucket(KEYS), "q:0", dict.fromkeys(KEYS, FP), version=0)
+    claim = store._claim.script
+    tag = "idem:{orders:0}"
+    args = [tag, clock.now_ms(), "q:1", LEASE_MS, store._claim_gens, -1, WINDOW_MS, "K"]
+    with pytest.raises(
+        redis.ResponseError, match=r"touches idem:\{orders:0\}:c:.*without declaring"
+    ):
+        any_redis.eval(claim, 1, f"{tag}:wm", *args)
+    released = store.release(by_bucket(["ORDERID_1"]), "q:0")  # declared by the store itself
+    assert released == 0
+    assert store.lookup(by_bucket(["ORDERID_1"]))["ORDERID_1"].status is KeyStatus.COMPLETED
