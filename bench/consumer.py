@@ -2,7 +2,7 @@
 consume-timeout detection lateness beside RocketMQ's scan model.
 
     python bench/consumer.py                  # defaults below
-    python bench/consumer.py --messages 100000 --batch 256 --batch 32
+    python bench/consumer.py --messages 100000 --batch 256 --batch 32   # shorter, noisier
 
 1. Throughput: a group of 2 instances (2 processes) consumes pre-produced
    messages from 8 queues on a private redis-server; the sink appends one JSON
@@ -10,7 +10,10 @@ consume-timeout detection lateness beside RocketMQ's scan model.
    warm-up share was consumed until every message was; once without and once with
    idem's dedup hook (group claims in Redis, group-committed Delta ledger; a
    message counts once its ledger commit is durable). Printed as messages/second
-   and the ratio (target >= 0.7). ``--commit-interval-ms`` and
+   and the ratio (target >= 0.7), with the CPU the two instances and
+   redis-server spent per message meanwhile (Linux). The default 300k messages
+   keep a run long enough for a stable ratio: with 50k, a handful of ledger
+   commits decide it (ratios of 0.35-0.73 from one build). ``--commit-interval-ms`` and
    ``--no-commit-lock`` tune the group commit; ``IDEM_BENCH_SAMPLE=1`` writes
    per-step timings and stack samples of each worker next to its sink file,
    ``IDEM_BENCH_PROFILE=<prefix>`` a cProfile of every thread of instance 0.
@@ -36,7 +39,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -276,6 +279,26 @@ class _Sampler:
         path.write_text("\n".join(lines))
 
 
+def cpu_seconds(pids: Sequence[int | None]) -> float | None:
+    """User + system CPU seconds the processes used so far (Linux ``/proc``; else ``None``)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class Throughput(NamedTuple):
+    """One measured run: messages/second, and CPU microseconds per message."""
+
+    rate: float
+    workers_us: float | None
+    redis_us: float | None
+
+
 def throughput(
     server: RedisServer,
     *,
@@ -286,8 +309,9 @@ def throughput(
     threads: int,
     workdir: Path,
     **extra: Any,
-) -> float:
-    """Messages/second of a 2-instance group after ``warmup`` messages were consumed."""
+) -> Throughput:
+    """Messages/second of a 2-instance group after ``warmup`` messages were consumed, and
+    the CPU the instances and redis-server spent per message meanwhile."""
     group = f"bench-{'dedup' if dedup else 'plain'}-{batch}-{uuid.uuid4().hex[:6]}"
     client = server.client()
     TopicStore(client).create_topic(TOPIC, QUEUES)
@@ -325,16 +349,29 @@ def throughput(
     ]
     for proc in procs:
         proc.start()
+    pids = [proc.pid for proc in procs]
     try:
         began = _wait_count(client, counter, warmup, timeout=300)
+        cpu_before = cpu_seconds(pids), cpu_seconds([server.pid])
         ended = _wait_count(client, counter, total, timeout=600)
+        cpu_after = cpu_seconds(pids), cpu_seconds([server.pid])
     finally:
         client.set(stop, 1)
         for proc in procs:
             proc.join(30)
     # TopicStore keeps the topic; each run reads its own messages from the start
     client.delete(*[TopicStore.queue_key(mq) for mq in TopicStore(client).message_queues(TOPIC)])
-    return messages / (ended - began)
+    used = [
+        None if a is None or b is None else (a - b) * 1e6 / messages
+        for a, b in zip(cpu_after, cpu_before, strict=True)
+    ]
+    return Throughput(messages / (ended - began), used[0], used[1])
+
+
+def _cpu(run: Throughput) -> str:
+    if run.workers_us is None or run.redis_us is None:
+        return "n/a"
+    return f"{run.workers_us:.0f} + {run.redis_us:.0f} = {run.workers_us + run.redis_us:.0f}"
 
 
 def _wait_count(client: redis.Redis, key: str, target: int, timeout: float) -> float:
@@ -401,8 +438,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=60_000)
-    parser.add_argument("--warmup", type=int, default=10_000)
+    parser.add_argument("--messages", type=int, default=300_000)
+    parser.add_argument("--warmup", type=int, default=30_000)
     parser.add_argument(
         "--batch",
         type=int,
@@ -440,7 +477,10 @@ def main() -> None:
             f"dedup group commit every {args.commit_interval_ms} ms, "
             f"commit lock {'off' if args.no_commit_lock else 'on'}"
         )
-        print(f"{'batch':>6} {'plain msg/s':>12} {'dedup msg/s':>12} {'ratio':>6}")
+        print(
+            f"{'batch':>6} {'plain msg/s':>12} {'dedup msg/s':>12} {'ratio':>6}   "
+            "CPU us/msg, instances + redis-server: plain | dedup"
+        )
         for batch in batches:
             n = args.messages if batch >= 16 else max(args.messages // 20, 1000)
             w = args.warmup if batch >= 16 else max(args.warmup // 20, 500)
@@ -453,7 +493,11 @@ def main() -> None:
             }
             plain = throughput(server, dedup=False, **run)
             dedup = throughput(server, dedup=True, **run, **dedup_options)
-            print(f"{batch:>6} {plain:>12,.0f} {dedup:>12,.0f} {dedup / plain:>6.2f}", flush=True)
+            print(
+                f"{batch:>6} {plain.rate:>12,.0f} {dedup.rate:>12,.0f} "
+                f"{dedup.rate / plain.rate:>6.2f}   {_cpu(plain)} | {_cpu(dedup)}",
+                flush=True,
+            )
         if args.skip_timeout:
             return
 

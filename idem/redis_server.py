@@ -138,6 +138,11 @@ class RedisServer:
         return self.start()
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self.running and self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         """Whether the process is alive."""
         return self._proc is not None and self._proc.poll() is None
