@@ -28,6 +28,8 @@ ratios are to ``plain``. Targets: decorated <= 2x plain, and faster than
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import statistics
 import sys
@@ -92,20 +94,86 @@ def run_query(
     sink: Callable[[Any, int], None],
     *,
     watermark: bool = False,
+    cpu: CpuMeter | None = None,
 ) -> list[float]:
-    """Stream ``source`` through ``sink``; return each batch's triggerExecution in seconds."""
+    """Stream ``source`` through ``sink``; return each batch's triggerExecution in seconds.
+    ``cpu`` starts counting when the second batch begins (the first pays for warm-ups)."""
     schema = spark.read.parquet(str(source)).schema
     stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(str(source))
     if watermark:
         stream = stream.withWatermark("ts", "10 minutes").dropDuplicatesWithinWatermark([KEY])
+
+    def counted(df: Any, batch_id: int) -> None:
+        if cpu is not None and batch_id == 1:
+            cpu.start()
+        sink(df, batch_id)
+
     query = (
-        stream.writeStream.foreachBatch(sink)
+        stream.writeStream.foreachBatch(counted)
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
         .start()
     )
     query.awaitTermination()
+    if cpu is not None:
+        cpu.stop(batches=len(query.recentProgress) - 1)
     return [p["durationMs"]["triggerExecution"] / 1000 for p in query.recentProgress]
+
+
+class CpuMeter:
+    """CPU seconds per batch of this process, its Spark JVM and redis-server (Linux /proc)."""
+
+    def __init__(self, redis_pid: int | None) -> None:
+        me = os.getpid()
+        self.pids = {"python": me}
+        if redis_pid is not None:
+            self.pids["redis"] = redis_pid
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and entry.name != str(me):
+                with contextlib.suppress(OSError, IndexError):
+                    cmd = (entry / "cmdline").read_bytes()
+                    if b"java" in cmd and _stat(int(entry.name))[1] == str(me):
+                        self.pids["jvm"] = int(entry.name)
+        self._began: dict[str, float] = {}
+        self.per_batch: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            with contextlib.suppress(OSError, IndexError):
+                fields = _stat(pid)
+                out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
+    def start(self) -> None:
+        """Count from now."""
+        self._began = self._now()
+
+    def stop(self, *, batches: int) -> None:
+        """Stop counting; ``per_batch`` holds each process's CPU seconds per batch."""
+        now = self._now()
+        self.per_batch = {
+            name: (now[name] - self._began[name]) / max(batches, 1)
+            for name in now
+            if name in self._began
+        }
+
+    def describe(self) -> str:
+        """One line: CPU seconds per batch by process, and the floor they set on 2 cores."""
+        if not self.per_batch:
+            return "CPU per batch: n/a"
+        total = sum(self.per_batch.values())
+        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.per_batch.items())
+        cores = os.cpu_count() or 1
+        return (
+            f"CPU s/batch: {parts} = {total:.2f} (at least {total / cores:.2f} s/batch "
+            f"on {cores} cores, however well they overlap)"
+        )
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (state first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def append_to(path: Path) -> Callable[[Any, int], None]:
@@ -261,12 +329,16 @@ def main(argv: list[str] | None = None) -> int:
             variants = [v for v in variants if v[0] in wanted]
         results: dict[str, float] = {}
         for name, sink, watermark in variants:
-            times = run_query(spark, source, root / f"ck-{name}", sink, watermark=watermark)
+            cpu = CpuMeter(server.pid)
+            times = run_query(
+                spark, source, root / f"ck-{name}", sink, watermark=watermark, cpu=cpu
+            )
             steady = times[1:] or times  # batch 0 pays for the JIT, the Redis index, caches
             results[name] = statistics.median(steady)
             print(
                 f"  {name:<10} median {results[name]:.3f} s/batch "
-                f"(first {times[0]:.2f} s; all: {', '.join(f'{t:.2f}' for t in times)})",
+                f"(first {times[0]:.2f} s; all: {', '.join(f'{t:.2f}' for t in times)})\n"
+                f"             {cpu.describe()}",
                 flush=True,
             )
             if name == "decorated":
