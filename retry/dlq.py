@@ -276,11 +276,13 @@ class DeadLetterTable:
             table = self._table(create=True)
             assert table is not None
             _add_missing_columns(table)
+            props = _commit_properties(app_id, txn_version)
             if app_id is not None and txn_version is not None:
                 done = table.transaction_version(app_id)
                 if done is not None and done >= txn_version:
-                    return 0
-            props = _commit_properties(app_id, txn_version)
+                    # A replayed batch: the MERGE below adds only the letters the first
+                    # attempt did not write (a replay may dead-letter other rows).
+                    props = None
             metrics = (
                 table.merge(
                     source,

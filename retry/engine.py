@@ -231,7 +231,8 @@ class RetryEngine:
         ``delay_level``: ``-1`` dead-letters now, ``0`` lets the policy choose
         (``3 + reconsume_times``), ``> 0`` is the level. ``errors`` maps a msg id to
         its failure (recorded in the message's history and the DLQ row).
-        ``app_id``/``txn_version`` make a replayed batch a no-op in Delta.
+        ``app_id``/``txn_version`` journal a batch once: a replay of it adds only the
+        messages the first attempt did not send back (see ``RetryJournal.append_batch``).
         """
         errors = errors or {}
         decisions = [
@@ -258,7 +259,7 @@ class RetryEngine:
         msg id derived from the copy it replaces (a repeat names the same message)
         and, when the copy came from the retry topic, replaces it there. Same
         paths, journal and result as :meth:`send_back` (never ``DEAD``);
-        ``app_id``/``txn_version`` make a replayed batch a no-op in Delta.
+        ``app_id``/``txn_version`` journal a batch once, as for :meth:`send_back`.
         """
         decisions: list[SendBackDecision] = [
             self.processor.process_busy(m, delay_level=delay_level) for m in messages
@@ -281,7 +282,7 @@ class RetryEngine:
             if dead:
                 self.dlq.write([d.letter for d in dead], app_id=app_id, txn_version=txn_version)
                 self._stage("dead_lettered", [d.original for d in dead])
-            version = self.journal.append(events, app_id=app_id, txn_version=txn_version)
+            written = self.journal.append_batch(events, app_id=app_id, txn_version=txn_version)
             self._stage("journaled", list(messages))
         except LedgerError:
             log.warning(
@@ -293,7 +294,8 @@ class RetryEngine:
             return self._result(decisions, SendBackStatus.RESUBMIT_LATER, now, journaled=False)
 
         try:
-            self._sync_or_raise(None if version is None else (version, events))
+            own = None if written.version is None else (written.version, written.events)
+            self._sync_or_raise(own)
             status = SendBackStatus.SCHEDULED
             self._stage("applied", [d.original for d in scheduled])
         except StoreUnavailable:

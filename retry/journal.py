@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -61,6 +62,12 @@ __all__ = [
 ]
 
 
+TXN_OF = "idem.journal.txn"
+"""Commit-info key of a batch's commits: ``<app_id>@<txn_version>``."""
+TXN_ROLE = "idem.journal.txn_role"
+"""Commit-info key: ``batch`` (the commit with the txn) or ``late`` (what a replay added)."""
+
+
 class RetryJournal:
     """The retry journal of one group at ``path`` (a Delta table, change data feed on)."""
 
@@ -89,14 +96,69 @@ class RetryJournal:
         txn_version: int | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> int | None:
-        """Append ``events`` as one commit and return its version.
+        """Append ``events`` as one commit and return its version (see :meth:`append_batch`).
 
-        ``None`` when ``(app_id, txn_version)`` is already committed (a replayed batch)
-        or there is nothing to append (``metadata``, the commit info of a base, makes
-        even an empty commit).
+        ``None`` when there is nothing to append: a replayed ``(app_id, txn_version)``
+        whose events are all committed, or no events (``metadata``, the commit info of
+        a base, makes even an empty commit).
+        """
+        return self.append_batch(
+            events, app_id=app_id, txn_version=txn_version, metadata=metadata
+        ).version
+
+    def append_batch(
+        self,
+        events: Sequence[JournalEvent],
+        *,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Appended:
+        """Append ``events`` as one commit; return its version and the events it holds.
+
+        With ``app_id`` and ``txn_version`` a batch is journaled once: when that txn
+        is already committed (Spark replays a batch), only the events its commits
+        lack are appended, in a commit of their own. A replay need not fail the same
+        rows as the first attempt did (a transient sink error), and a row that fails
+        only in the replay must still be journaled; the rows both attempts sent back
+        are not appended again (their messages may be consumed and acked by now).
         """
         if not events and metadata is None:
-            return None
+            return Appended(None, ())
+        once = app_id is not None and txn_version is not None
+        tag = f"{app_id}@{txn_version}"
+
+        def write() -> Appended:
+            with self._lock:
+                written: Sequence[JournalEvent] = events
+                props = None
+                if app_id is not None and txn_version is not None:
+                    role = "batch"
+                    if self.committed(app_id, txn_version):
+                        done = self._batch_events(app_id, txn_version)
+                        written = [e for e in events if (str(e.event), e.msg_id) not in done]
+                        if not written:
+                            return Appended(None, ())
+                        role = "late"
+                        props = CommitProperties(custom_metadata={TXN_OF: tag, TXN_ROLE: role})
+                    else:
+                        props = CommitProperties(
+                            app_transactions=[Transaction(app_id=app_id, version=txn_version)],
+                            custom_metadata={TXN_OF: tag, TXN_ROLE: role},
+                        )
+                elif metadata is not None:
+                    props = CommitProperties(custom_metadata=dict(metadata))
+                data = self._rows(written, app_id if once else None, txn_version)
+                table = self._load() or self._create()
+                # writing through the table object leaves it at exactly our commit's version
+                write_deltalake(table, data, mode="append", commit_properties=props)
+                return Appended(table.version(), tuple(written))
+
+        return self.faults.delta(write, what="retry journal append", wrap=JournalError)
+
+    def _rows(
+        self, events: Sequence[JournalEvent], app_id: str | None, txn_version: int | None
+    ) -> pa.Table:
         rows = [
             {
                 "group": self.group,
@@ -117,29 +179,39 @@ class RetryJournal:
             }
             for seq, e in enumerate(events)
         ]
-        data = pa.Table.from_pylist(rows, schema=JOURNAL_SCHEMA)
-        props = None
-        if app_id is not None and txn_version is not None:
-            props = CommitProperties(
-                app_transactions=[Transaction(app_id=app_id, version=txn_version)]
-            )
-        elif metadata is not None:
-            props = CommitProperties(custom_metadata=dict(metadata))
+        return pa.Table.from_pylist(rows, schema=JOURNAL_SCHEMA)
 
-        def write() -> int | None:
-            with self._lock:
-                if (
-                    app_id is not None
-                    and txn_version is not None
-                    and self.committed(app_id, txn_version)
-                ):
-                    return None
-                table = self._load() or self._create()
-                # writing through the table object leaves it at exactly our commit's version
-                write_deltalake(table, data, mode="append", commit_properties=props)
-                return table.version()
+    def _batch_events(self, app_id: str, txn_version: int) -> set[tuple[str, str]]:
+        """``(event, msg_id)`` of every event committed for ``(app_id, txn_version)``.
 
-        return self.faults.delta(write, what="retry journal append", wrap=JournalError)
+        Its commits are found by their commit info (newest first, looking back further
+        each time, until the batch's first commit); a journal written before commits
+        carried that info is read whole instead.
+        """
+        table = self._load()
+        assert table is not None  # the txn is committed, so the table exists
+        tag = f"{app_id}@{txn_version}"
+        for window in HISTORY_WINDOWS:
+            history = table.history(window)
+            mine = [info for info in history if info.get(TXN_OF) == tag]
+            if any(info.get(TXN_ROLE) == "batch" for info in mine):
+                done: set[tuple[str, str]] = set()
+                for info in mine:
+                    version = int(info["version"])
+                    done |= _pairs(table.load_cdf(starting_version=version, ending_version=version))
+                return done
+            if window is None or len(history) < window:
+                break
+        rows = pa.table(table.load_cdf(starting_version=0))
+        return {
+            (r["event"], r["msg_id"])
+            for r in rows.select(
+                ["event", "msg_id", "app_id", "txn_version", "_change_type"]
+            ).to_pylist()
+            if r["app_id"] == app_id
+            and r["txn_version"] == txn_version
+            and r["_change_type"] == "insert"
+        }
 
     def _create(self) -> DeltaTable:
         DeltaTable.create(
@@ -233,9 +305,16 @@ class RetryJournal:
         total = ApplyResult()
         while True:
             raw = store.cursor()
-            if raw is None or parse_base_cursor(raw) is not None:
-                base = self.read_base()
-                if base is not None:  # a rebuild: from the newest base, not from version 0
+            named = parse_base_cursor(raw)
+            if raw is None or named is not None:
+                # A rebuild: from the newest base, not from version 0. One already under
+                # way finishes the base it began (a newer base restates it *after* events
+                # that removed some of the rows applied so far: a switch would keep them).
+                base = self.read_base(named[0] if named is not None else None)
+                if base is None and named is not None:
+                    store.purge()  # that base is gone from the log: start the rebuild over
+                    continue
+                if base is not None:
                     applied = self._apply_base(store, raw, base)
                     total += applied or ApplyResult()
                     continue  # the cursor stands after the base now (or someone moved it)
@@ -297,19 +376,20 @@ class RetryJournal:
                 return total
             expect = new
 
-    def read_base(self) -> JournalBase | None:
-        """The newest base (:meth:`compact`), ``None`` when the journal has none."""
+    def read_base(self, version: int | None = None) -> JournalBase | None:
+        """The newest base (:meth:`compact`), or the base committed at ``version``;
+        ``None`` when there is none (or that one is gone from the log)."""
 
         def read() -> JournalBase | None:
             with self._lock:
                 table = self._load()
                 if table is None:
                     return None
-                info = _newest_base_commit(table)
+                info = _newest_base_commit(table, version)
                 if info is None:
                     return None
-                version = int(info["version"])
-                reader = table.load_cdf(starting_version=version, ending_version=version)
+                found = int(info["version"])
+                reader = table.load_cdf(starting_version=found, ending_version=found)
                 rows = [
                     r
                     for r in pa.table(reader).to_pylist()
@@ -317,7 +397,7 @@ class RetryJournal:
                 ]
             rows.sort(key=lambda r: int(r["seq"]))
             live = tuple(JournalEvent.from_row(r) for r in rows)
-            return JournalBase(version=version, covers=int(info[BASE_OF]), live=live)
+            return JournalBase(version=found, covers=int(info[BASE_OF]), live=live)
 
         return self.faults.delta(read, what="retry journal base read", wrap=JournalError)
 
@@ -345,22 +425,33 @@ class RetryJournal:
         assert version is not None  # a base commit is written even when nothing is live
         return JournalBase(version=version, covers=covers, live=tuple(rows))
 
-    def rebuild(self, store: ScheduleStore, *, purge: bool = True) -> ApplyResult:
-        """Rebuild the group's Redis side from the journal alone (``purge``: clear it first)."""
-        if purge:
-            store.purge()
-        else:
-            store.client.delete(store.keys.cursor)
+    def rebuild(self, store: ScheduleStore) -> ApplyResult:
+        """Rebuild the group's Redis side from the journal alone (cleared first: applying a
+        base over what Redis holds would keep messages removed before the base)."""
+        store.purge()
         return self.sync(store)
 
 
-def _newest_base_commit(table: DeltaTable) -> dict[str, str] | None:
-    """``version`` and ``BASE_OF`` of the newest base commit, looking back through more
-    history each time."""
+class Appended(NamedTuple):
+    """What :meth:`RetryJournal.append_batch` committed: the version and its events."""
+
+    version: int | None
+    events: tuple[JournalEvent, ...]
+
+
+def _pairs(reader: Any) -> set[tuple[str, str]]:
+    """``(event, msg_id)`` of the rows a change-data-feed read inserted."""
+    rows = pa.table(reader).select(["event", "msg_id", "_change_type"]).to_pylist()
+    return {(r["event"], r["msg_id"]) for r in rows if r["_change_type"] == "insert"}
+
+
+def _newest_base_commit(table: DeltaTable, version: int | None = None) -> dict[str, str] | None:
+    """``version`` and ``BASE_OF`` of the newest base commit (or of the one at ``version``),
+    looking back through more history each time."""
     for window in HISTORY_WINDOWS:
         history = table.history(window)
         for info in history:  # newest first
-            if BASE_OF in info:
+            if BASE_OF in info and (version is None or int(info["version"]) == version):
                 return {"version": str(info["version"]), BASE_OF: str(info[BASE_OF])}
         if window is None or len(history) < window:
             return None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import fakeredis
 import pytest
+from deltalake import write_deltalake
+from deltalake.transaction import CommitProperties, Transaction
 
 from idem.clock import ManualClock
 from idem.config import IdemConfig
@@ -17,8 +20,9 @@ from idem.retry import (
     RetryEngine,
     audit_states,
 )
+from idem.retry import journal as journal_module
 from idem.retry.journal import live_messages, plan
-from idem.retry.store import APPLY_CHUNK
+from idem.retry.store import APPLY_CHUNK, Op
 
 pytestmark = pytest.mark.unit
 
@@ -96,6 +100,97 @@ def test_a_replayed_batch_is_journaled_once_and_never_resurrected(
     engine.send_back(batch, app_id="query-1", txn_version=7)  # replayed once more, later
     assert engine.pending() == 0
     assert _drain(engine, clock) == []
+
+
+def test_a_replay_that_sends_back_more_journals_only_what_the_first_attempt_lacked(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A replayed batch may fail other rows: those are journaled (in a commit of their own),
+    the ones the first attempt journaled are not brought back after they were consumed."""
+    engine = _engine(tmp_path, clock)
+    engine.send_back(_messages(3), app_id="query-1", txn_version=7)  # M0..M2
+    assert len(_drain(engine, clock)) == 3  # consumed and acked since
+    replay = _messages(5)[1:]  # the replay fails M1..M4
+    engine.send_back(replay, app_id="query-1", txn_version=7)
+    assert engine.pending() == 2  # M3 and M4, and not M1, M2 again
+    engine.client.flushall()  # journaled, not only applied to Redis
+    assert {m.origin_msg_id for m in _drain(engine, clock)} == {"M3", "M4"}
+    before = engine.journal.latest_version()
+    engine.send_back(replay, app_id="query-1", txn_version=7)  # replayed once more
+    assert engine.journal.latest_version() == before
+    assert engine.pending() == 0
+
+
+def test_a_replay_of_a_batch_journaled_without_commit_info_reads_the_journal_whole(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """Journals written before batches carried their commit info: the replay finds the
+    batch's events by the rows' app_id and txn_version instead."""
+    engine = _engine(tmp_path, clock)
+    engine.send_back(_messages(1, prefix="X"), app_id="other", txn_version=1)
+    journal = engine.journal
+    first = [engine._event(d, clock.now_ms()) for d in map(engine.processor.process, _messages(2))]
+    table = journal._load()
+    assert table is not None
+    write_deltalake(
+        table,
+        journal._rows(first, "query-1", 7),
+        mode="append",
+        commit_properties=CommitProperties(app_transactions=[Transaction("query-1", 7)]),
+    )
+    engine.sync()
+    engine.send_back(_messages(3), app_id="query-1", txn_version=7)
+    scheduled = [e.origin_msg_id for e in journal.events() if e.event == S]
+    assert sorted(scheduled) == ["M0", "M1", "M2", "X0"]
+
+
+def test_a_replay_that_dead_letters_more_writes_the_new_letters_once(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    engine = _engine(tmp_path, clock)
+    engine.send_back(_messages(2), delay_level=-1, app_id="query-1", txn_version=3)
+    engine.send_back(_messages(3), delay_level=-1, app_id="query-1", txn_version=3)
+    letters = sorted(letter.origin_msg_id for letter in engine.dlq.list())
+    assert letters == ["M0", "M1", "M2"]
+    events = [e for e in engine.journal.events() if e.event == JournalEventType.DEAD]
+    assert sorted(e.origin_msg_id for e in events) == ["M0", "M1", "M2"]
+
+
+def test_a_rebuild_cut_short_finishes_its_base_before_moving_to_a_newer_one(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild dies after the first row of base B1; then that row's message is acked
+    (journaled; Redis never heard) and a newer base B2 is written without it. The next
+    sync must finish B1 and apply the ack that followed it, not lay B2 over B1's first row:
+    the acked message would be delivered again."""
+    monkeypatch.setattr(journal_module, "APPLY_CHUNK", 1)
+    engine = _engine(tmp_path, clock)
+    engine.send_back(_messages(3))
+    base = engine.compact_journal()
+    assert base is not None
+    engine.client.flushall()  # Redis lost: the next sync rebuilds from B1
+    store = engine.store
+    real_apply = store.apply
+    applied: list[str] = []
+
+    def dies_after_one(ops: Sequence[Op], *, expect: str | None, new: str) -> object:
+        if applied:
+            raise RuntimeError("the rebuilding process died")
+        applied.append(new)
+        return real_apply(ops, expect=expect, new=new)
+
+    monkeypatch.setattr(store, "apply", dies_after_one)
+    with pytest.raises(RuntimeError):
+        engine.journal.sync(store)
+    monkeypatch.setattr(store, "apply", real_apply)
+    assert store.pending() == 1
+    first = base.live[0]
+    engine.journal.append([JournalEvent(A, first.msg_id, first.origin_msg_id, first.key)])
+    assert engine.compact_journal() is not None  # B2: the two others
+    engine.journal.sync(store)
+    assert engine.pending() == 2
+    delivered = {m.origin_msg_id for m in _drain(engine, clock)}
+    assert delivered == {"M0", "M1", "M2"} - {first.origin_msg_id}
 
 
 def test_two_engines_share_one_journal_and_one_redis(tmp_path: Path, clock: ManualClock) -> None:

@@ -150,6 +150,50 @@ def test_failed_keys_are_sent_back_and_an_exception_fails_every_fresh_row(
     assert engine.pending() == 3  # B, C and D wait on their delay level
 
 
+def test_a_replay_that_fails_other_rows_than_the_first_attempt_retries_them_too(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first attempt fails A, sends it back, and dies before sending back B, which
+    another owner held (busy). In Spark's replay B is free and the sink fails it. B must
+    be journaled and retried, not counted as done because the batch's send-back txn was
+    committed by the first attempt (with A only)."""
+    config = config_for(tmp_path, redis_server.url, "flaky-replay")
+    other = Dedup(config, client=real_redis)
+    held = other.begin(["B"], owner="other:0")
+    failing = iter([{"A"}, {"B"}])
+    calls: list[list[str]] = []
+
+    def flaky(fresh: DataFrame, batch_id: int) -> list[str]:
+        keys = [r["order_id"] for r in fresh.toArrow().to_pylist()]
+        calls.append(keys)
+        fail = next(failing)
+        return [k for k in keys if k in fail]
+
+    def dies(*args: Any, **kwargs: Any) -> None:
+        raise SimulatedCrash("the driver died between the two send-backs")
+
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(flaky)
+    sink.query_id = "q"
+    batch = _df(spark, "A", "B", "C")
+    monkeypatch.setattr(sink.retry, "send_back_busy", dies)
+    with pytest.raises(SimulatedCrash):
+        sink.process(batch, 0)
+    monkeypatch.undo()
+    other.release(held)  # the other owner gives B up before the replay
+    replay = sink.process(batch, 0)
+    assert calls == [["A", "C"], ["A", "B"]]
+    assert replay.failed_keys == ("B",)
+    engine = RetryEngine(config, client=real_redis)
+    assert engine.pending() == 2  # A from the first attempt, B from the replay
+    real_redis.flushall()  # and both are in the journal, not only in Redis
+    engine.tick()
+    assert engine.pending() == 2
+
+
 def test_close_lands_the_last_batchs_redis_update_so_nobody_reloads_it(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
