@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from deltalake import DeltaTable
+from redis_backends import RealRedis
 
 from idem.ledger import read_table
 from idem.redis_server import RedisServer
@@ -111,13 +112,13 @@ def _delta_versions(path: Path) -> int:
 
 
 def test_c10_delta_sink_survives_driver_kills_with_every_key_exactly_once(
-    redis_server: RedisServer, tmp_path: Path
+    real_backend: RealRedis, tmp_path: Path
 ) -> None:
-    redis_server.client().flushall()
+    """On a redis-server and on a 3-primary Cluster (the backend's client comes flushed)."""
     keys = _files(tmp_path / "in")
     sink = tmp_path / "sink"
     args = ["--sink-delta", str(sink)]
-    url, group = redis_server.url, "c10-delta"
+    url, group = real_backend.url, "c10-delta"
 
     for point in ("after_claim@1", "after_commit@3"):
         code, out = _idem_run(tmp_path, url, group, args, kill_at=point)
