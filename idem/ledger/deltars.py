@@ -72,6 +72,8 @@ DEFAULT_MAX_ATTEMPTS = 8
 _APPEND_RACES = 16
 """Appends that lose the race for a version before the commit backs off (then retries)."""
 
+REVERIFY_AFTER_MS = 60_000
+"""A remembered table version older than this is checked to still be in the log."""
 _MAX_CHECKED_VERSIONS = 64
 """More versions than this since the claim: MERGE on the recent rows instead of reading them."""
 
@@ -118,6 +120,7 @@ class DeltaLedger:
         self._table_lock = threading.RLock()
         self._version_lock = threading.Lock()
         self._known_version = -1
+        self._version_read_ms = self._clock.now_ms()
         self._added = AddedKeys(self._read_commit, self._read_index_file)
 
     @property
@@ -139,8 +142,14 @@ class DeltaLedger:
         with self._version_lock:
             try:
                 version = self._known_version
+                # Log cleanup may have removed the commits after the one remembered (a
+                # process idle past the log retention): walking on from it would stop
+                # there for good. Its own file tells.
+                stale = version >= 0 and self._remembered_for_long()
+                if stale and not self._store.exists(_log.commit_name(version)):
+                    version = -1
                 if version < 0:
-                    version = _log.checkpoint_hint(self._store)
+                    version = max(version, _log.checkpoint_hint(self._store))
                 while self._store.exists(_log.commit_name(version + 1)):
                     version += 1
                 if version < 0:
@@ -149,7 +158,12 @@ class DeltaLedger:
             except OSError as exc:
                 raise LedgerError(f"ledger {self._uri}: cannot read the log: {exc}") from exc
             self._known_version = version
+            self._version_read_ms = self._clock.now_ms()
             return version
+
+    def _remembered_for_long(self) -> bool:
+        """Whether the remembered version was last read a while ago (``REVERIFY_AFTER_MS``)."""
+        return self._clock.now_ms() - self._version_read_ms > REVERIFY_AFTER_MS
 
     # -- commit ----------------------------------------------------------------
 
@@ -266,7 +280,8 @@ class DeltaLedger:
                         app_transactions=[Transaction(app_id, txn_version)]
                     ),
                 )
-                table.update_incremental()
+            # Written through the table object, it stands at our own commit's version, not
+            # at a later writer's (whose keys Redis would then be told it indexed).
             version = table.version()
         self._saw_version(version)
         already: list[str] = []
@@ -310,8 +325,8 @@ class DeltaLedger:
                     return None
                 if target > checked:
                     changed = self.keys_added_since(checked)
-                    if changed is None:
-                        return None
+                    if changed is None or changed.version < target:
+                        return None  # cannot read what came since: the caller MERGEs
                     seen.append(changed.keys.column("key").combine_chunks())
                     checked = changed.version
                 keys = source.column("key")
@@ -561,11 +576,10 @@ class DeltaLedger:
                 raise CommitFailedError(f"the ledger was created concurrently: {exc}") from exc
             raise
         self._added.remember_own(0, source)  # mode="error" wrote version 0
-        table = self._latest()
-        assert table is not None
-        version = table.version()
-        self._saw_version(version)
-        return CommitResult(version=version, inserted=source.num_rows)
+        # Our commit is version 0 whatever others appended since (reading the table's
+        # version now could name theirs).
+        self._saw_version(0)
+        return CommitResult(version=0, inserted=source.num_rows)
 
     def _saw_version(self, version: int) -> None:
         with self._version_lock:

@@ -22,7 +22,7 @@ from idem.cli import main as cli_main
 from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
 from idem.keys import bucket_of
-from idem.ledger import DeltaLedger, Ledger, conform, make_rows, spark_delta_session
+from idem.ledger import DeltaLedger, Ledger, conform, deltars, make_rows, spark_delta_session
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
 
 pytestmark = pytest.mark.integration
@@ -297,6 +297,55 @@ def test_an_index_mode_commit_merges_when_the_versions_to_check_are_cleaned(
     result = commit(fresh, ["K1", "K3", "NEW"], clock, after=0, app="late")
     assert (result.inserted, sorted(result.already_present)) == (1, ["K1", "K3"])
     assert ledger_keys(fresh) == ["K0", "K1", "K2", "K3", "NEW"]
+
+
+def test_a_commit_reports_its_own_version_even_when_another_writer_follows_at_once(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version a commit reports moves Redis's watermark: naming a later writer's
+    version would tell Redis it indexed keys it never saw. Two cases write through
+    write_deltalake: creating the table, and the empty append that records a txn whose
+    MERGE inserted nothing."""
+    path = str(tmp_path / "ledger")
+    ours, theirs = DeltaLedger(path, clock=clock), DeltaLedger(path, clock=clock)
+    real = deltars.write_deltalake
+
+    def then_another_writer(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        monkeypatch.setattr(deltars, "write_deltalake", real)
+        commit(theirs, [f"THEIRS{theirs.version()}"], clock, app="theirs", txn=theirs.version())
+
+    monkeypatch.setattr(deltars, "write_deltalake", then_another_writer)
+    created = commit(ours, ["A"], clock, app="ours", txn=0)
+    assert (created.version, ours.version()) == (0, 1)
+    monkeypatch.setattr(deltars, "write_deltalake", then_another_writer)
+    again = ours.commit(
+        rows_for(["A"], clock), app_id="ours", txn_version=1, match_since_ms=None
+    )  # strict mode: the MERGE finds A and inserts nothing; an empty append records txn 1
+    assert (again.inserted, again.version, ours.version()) == (0, 2, 3)
+
+
+def test_a_writer_that_slept_through_a_log_cleanup_still_checks_what_it_missed(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """An idle process remembers version 0; others commit, checkpoint and clean the log.
+    Its version must not stay stuck at 0, and its checked append must not skip the
+    versions it can no longer read (K1 is already in the ledger)."""
+    path = tmp_path / "ledger"
+    idle = DeltaLedger(str(path), clock=clock)
+    commit(idle, ["K0"], clock, txn=0)
+    assert idle.version() == 0
+    busy = DeltaLedger(str(path), clock=clock)
+    for txn in range(1, 4):  # versions 1..3
+        commit(busy, [f"K{txn}"], clock, app="busy", txn=txn)
+    DeltaTable(str(path)).create_checkpoint()
+    for version in range(3):
+        (path / commit_name(version)).unlink()
+    clock.advance(deltars.REVERIFY_AFTER_MS / 1000 + 1)
+    assert idle.version() == 3
+    result = commit(idle, ["K1", "NEW"], clock, txn=1, after=0)
+    assert (result.inserted, result.already_present) == (1, ["K1"])
+    assert ledger_keys(idle) == ["K0", "K1", "K2", "K3", "NEW"]
 
 
 def test_keys_added_since_reads_exactly_the_later_versions(
