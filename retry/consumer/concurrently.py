@@ -78,7 +78,10 @@ class ConcurrentlyService:
             self._idle.wait_for(lambda: self._running == 0, timeout=await_ms / 1000)
 
     def watch(self, mq: MessageQueue, pq: ProcessQueue) -> None:
-        """Let the watchdog see ``pq``."""
+        """Let the watchdog see ``pq`` (not a dropped one: a late re-submit of a queue's old
+        process queue must not take the place of the new one)."""
+        if pq.dropped:
+            return
         with self._queues_lock:
             self._queues[mq] = pq
 

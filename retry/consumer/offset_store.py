@@ -67,6 +67,10 @@ class OffsetStore(Protocol):
         """Forget ``mq`` in memory (the queue was taken away)."""
         ...
 
+    def has_offsets(self) -> bool:
+        """Whether the store holds an offset of any queue (the group is not new)."""
+        ...
+
 
 class _MemoryTable:
     def __init__(self) -> None:
@@ -120,9 +124,17 @@ class RemoteOffsetStore(_MemoryTable):
         raw = self.client.hget(self.key, str(mq))
         if raw is None:
             return -1
-        offset = int(raw)
+        try:
+            offset = int(raw)
+        except ValueError:
+            log.warning("the stored offset of %s is %r, not a number; ignoring it", mq, raw)
+            return -1
         self.update_offset(mq, offset, False)
         return offset
+
+    def has_offsets(self) -> bool:
+        """Whether Redis holds an offset of any of the group's queues."""
+        return bool(self.client.hlen(self.key))
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> None:
         """One ``HSET`` of every given queue's offset (RocketMQ's timer, every 5 s)."""
@@ -190,6 +202,10 @@ class LocalFileOffsetStore(_MemoryTable):
             return -1
         self.update_offset(mq, offset, False)
         return offset
+
+    def has_offsets(self) -> bool:
+        """Whether the file (or its backup) holds an offset of any queue."""
+        return bool(self._read(self.path) or self._read(self.backup))
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> None:
         """Rewrite the file with every known offset (the given queues' and the others')."""

@@ -111,7 +111,11 @@ class PushConsumer:
             self.offset_store = RemoteOffsetStore(offset_client or self.client, self.group)
         else:
             directory = self.settings.offset_store_dir or str(Path.home() / ".rocketmq_offsets")
-            self.offset_store = LocalFileOffsetStore(directory, name, self.group)
+            # A restart must find its offsets: without an instance name the file is
+            # DEFAULT's, as RocketMQ keeps "DEFAULT" for broadcasting consumers.
+            self.offset_store = LocalFileOffsetStore(
+                directory, instance_name or "DEFAULT", self.group
+            )
         self.run_schedule_service = run_schedule_service and engine is not None
         self._middleware: list[Middleware] = list(middleware)
         self._filters: dict[str, TagFilter] = {}
@@ -260,12 +264,22 @@ class PushConsumer:
         return self.topics.message_queues(topic)
 
     def compute_pull_from_where(self, mq: MessageQueue) -> int:
-        """The stored offset, or — a new group — last / first / timestamp."""
+        """The stored offset, or — a new group — last / first / timestamp.
+
+        A queue without an offset in a group that has some (the topic got more queues,
+        or one offset was lost) starts at its first message: what producers put there
+        before the rebalance handed it out belongs to the group already (RocketMQ's
+        broker answers 0 for a queue that still starts at 0).
+        """
         if self.is_retry_queue(mq):
             return 0
         stored = self.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_STORE)
         if stored >= 0:
             return stored
+        if self.offset_store.has_offsets():
+            offset = self.topics.min_offset(mq)
+            self.offset_store.update_offset(mq, offset, False)
+            return offset
         where = self.settings.consume_from_where
         if where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
             offset = 0
@@ -313,8 +327,11 @@ class PushConsumer:
             self.concurrently_service.submit(messages, pq, mq)
 
     def _on_filtered(self, mq: MessageQueue, pq: ProcessQueue, next_offset: int) -> None:
-        if pq.msg_count == 0:
-            self.commit_offset(mq, pq, next_offset, increase_only=True)
+        # Past the filtered-out messages, never past one still in flight: cached, or
+        # consumed and awaiting its ledger commit.
+        first = pq.first_offset()
+        offset = next_offset if first is None else min(first, next_offset)
+        self.commit_offset(mq, pq, offset, increase_only=True)
 
     # -- reset offset (RESET_CONSUMER_CLIENT_OFFSET) -------------------------------------
 

@@ -1,0 +1,128 @@
+"""Where a consumer's offsets start and how far they move: no message is skipped.
+
+On fakeredis; the consumer objects are built but not started (no threads).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import fakeredis
+import pytest
+
+from idem.config import IdemConfig
+from idem.retry import MessageExt
+from idem.retry.consumer import (
+    ConsumerSettings,
+    MessageQueue,
+    ProcessQueue,
+    PushConsumer,
+    TopicStore,
+)
+from idem.retry.consumer.concurrently import ConcurrentlyService
+from idem.retry.consumer.offset_store import ReadOffsetType
+from idem.retry.status import MessageModel
+
+pytestmark = pytest.mark.unit
+
+
+def _consumer(
+    tmp_path: Path, client: fakeredis.FakeRedis, group: str = "CID_offsets", **settings: object
+) -> PushConsumer:
+    return PushConsumer(
+        IdemConfig(group=group, data_dir=str(tmp_path)),
+        settings=ConsumerSettings(**settings),  # type: ignore[arg-type]
+        client=client,
+        run_schedule_service=False,
+    )
+
+
+def _messages(mq: MessageQueue, offsets: range, tags: str = "A") -> list[MessageExt]:
+    return [
+        MessageExt(mq.topic, f"m{o}", b"{}", keys=f"K{o}", tags=tags, queue_offset=o)
+        for o in offsets
+    ]
+
+
+def test_a_filtered_out_message_never_moves_the_offset_past_one_awaiting_its_commit(
+    tmp_path: Path,
+) -> None:
+    """Offsets 0-2 were consumed and wait for their group-committed ledger write; offset 3
+    does not match the tag filter. The offset must stay at 0 until they are durable."""
+    consumer = _consumer(tmp_path, fakeredis.FakeRedis())
+    mq = MessageQueue("orders", 0)
+    pq = ProcessQueue(mq)
+    consumed = _messages(mq, range(3))
+    pq.put_messages(consumed)
+    pq.defer(consumed)
+    consumer._on_filtered(mq, pq, 4)
+    assert consumer.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 0
+    empty = ProcessQueue(MessageQueue("orders", 1))
+    consumer._on_filtered(empty.mq, empty, 4)  # nothing in flight: past the filtered ones
+    assert consumer.offset_store.read_offset(empty.mq, ReadOffsetType.READ_FROM_MEMORY) == 4
+
+
+def test_a_queue_new_to_an_existing_group_starts_at_its_first_message(tmp_path: Path) -> None:
+    """The topic grows a queue and producers fill it before the rebalance hands it out:
+    a group that has offsets consumes those messages; a new group starts at the end."""
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 1)
+    q0, q1 = MessageQueue("orders", 0), MessageQueue("orders", 1)
+    consumer = _consumer(tmp_path, client)  # CONSUME_FROM_LAST_OFFSET, the default
+    assert consumer.compute_pull_from_where(q0) == 0
+    consumer.offset_store.persist_all([q0])
+    topics.create_topic("orders", 2)
+    topics.put(q1, _messages(q1, range(5)))
+    assert consumer.compute_pull_from_where(q1) == 0
+    newcomer = _consumer(tmp_path, client, group="CID_new")
+    assert newcomer.compute_pull_from_where(q1) == 5
+
+
+def test_a_stored_offset_that_is_not_a_number_is_ignored_not_fatal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 1)
+    mq = MessageQueue("orders", 0)
+    topics.put(mq, _messages(mq, range(3)))
+    consumer = _consumer(tmp_path, client)
+    client.hset(consumer.offset_store.key, str(mq), "\x00garbage")  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING):
+        assert consumer.compute_pull_from_where(mq) == 0  # from the start: nothing skipped
+    assert "not a number" in caplog.text
+
+
+def test_a_broadcasting_consumer_finds_its_offsets_after_a_restart(tmp_path: Path) -> None:
+    """Without an instance name the offset file is DEFAULT's (as RocketMQ's), not a random
+    name's that the restarted process would never find."""
+    settings = {
+        "message_model": MessageModel.BROADCASTING,
+        "offset_store_dir": str(tmp_path / "offsets"),
+    }
+    client = fakeredis.FakeRedis()
+    mq = MessageQueue("orders", 0)
+    first = _consumer(tmp_path, client, **settings)
+    first.offset_store.update_offset(mq, 7, False)
+    first.offset_store.persist_all([mq])
+    restarted = _consumer(tmp_path, client, **settings)
+    restarted.offset_store.load()
+    assert restarted.compute_pull_from_where(mq) == 7
+
+
+def test_a_dropped_process_queue_never_replaces_the_watched_one() -> None:
+    """A queue reset replaces its process queue; the old one's delayed re-submit must not
+    take the new one's place in the consume-timeout watchdog."""
+    service = ConcurrentlyService(SimpleNamespace(settings=ConsumerSettings(), client_id="c"))  # type: ignore[arg-type]
+    try:
+        mq = MessageQueue("orders", 0)
+        old, new = ProcessQueue(mq), ProcessQueue(mq)
+        old.dropped = True
+        service.watch(mq, new)
+        service.submit([], old, mq)
+        assert service.watched() == [(mq, new)]
+    finally:
+        service.executor.shutdown()
