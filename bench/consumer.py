@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import redis
+from _cpu import cpu_seconds
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
@@ -277,18 +278,6 @@ class _Sampler:
         ]
         lines += [f"{n} {k}" for k, n in self.counts.most_common(30)]
         path.write_text("\n".join(lines))
-
-
-def cpu_seconds(pids: Sequence[int | None]) -> float | None:
-    """User + system CPU seconds the processes used so far (Linux ``/proc``; else ``None``)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 class Throughput(NamedTuple):

@@ -46,6 +46,7 @@ from deltalake import DeltaTable, write_deltalake
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cpu import cpu_seconds, stat_fields
 from _ledger_fixture import build_ledger, fresh_keys, key_strings
 
 from idem.config import IdemConfig
@@ -132,18 +133,14 @@ class CpuMeter:
             if entry.name.isdigit() and entry.name != str(me):
                 with contextlib.suppress(OSError, IndexError):
                     cmd = (entry / "cmdline").read_bytes()
-                    if b"java" in cmd and _stat(int(entry.name))[1] == str(me):
+                    if b"java" in cmd and stat_fields(int(entry.name))[1] == str(me):
                         self.pids["jvm"] = int(entry.name)
         self._began: dict[str, float] = {}
         self.per_batch: dict[str, float] = {}
 
     def _now(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, pid in self.pids.items():
-            with contextlib.suppress(OSError, IndexError):
-                fields = _stat(pid)
-                out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return out
+        used = {name: cpu_seconds([pid]) for name, pid in self.pids.items()}
+        return {name: seconds for name, seconds in used.items() if seconds is not None}
 
     def start(self) -> None:
         """Count from now."""
@@ -169,11 +166,6 @@ class CpuMeter:
             f"CPU s/batch: {parts} = {total:.2f} (at least {total / cores:.2f} s/batch "
             f"on {cores} cores, however well they overlap)"
         )
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/<pid>/stat after the command name (state first)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def append_to(path: Path) -> Callable[[Any, int], None]:
