@@ -24,7 +24,7 @@ from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.rebalance import RebalanceImpl
 from idem.retry.consumer.settings import ConsumerSettings
 from idem.retry.consumer.stats import ConsumerStats
-from idem.retry.consumer.topics import MessageQueue, TopicStore
+from idem.retry.consumer.topics import UNDECODABLE, MessageQueue, TopicStore
 from idem.retry.engine import RetryEngine
 from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.message import MessageExt
@@ -211,7 +211,13 @@ class PullService:
             return  # the queue moved while the pull was in flight
         pq.next_offset = max(pq.next_offset, messages[-1].queue_offset + 1)
         subscription = self.filters.get(pq.mq.topic)
-        matched = [m for m in messages if subscription is None or subscription.matches(m)]
+        # An entry that is not a message has no tags to filter on: it goes on to be
+        # dead-lettered (never filtered out unseen).
+        matched = [
+            m
+            for m in messages
+            if subscription is None or UNDECODABLE in m.properties or subscription.matches(m)
+        ]
         added = pq.put_messages(matched)
         self.stats.add(pulled=len(added))
         if len(matched) < len(messages):

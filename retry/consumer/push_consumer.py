@@ -62,7 +62,7 @@ from idem.retry.consumer.rebalance import (
 from idem.retry.consumer.scheduler import Scheduler
 from idem.retry.consumer.settings import ConsumeFromWhere, ConsumerSettings
 from idem.retry.consumer.stats import ConsumerStats
-from idem.retry.consumer.topics import MessageQueue, TopicStore
+from idem.retry.consumer.topics import UNDECODABLE, MessageQueue, TopicStore
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt, retry_topic
 from idem.retry.schedule import ScheduleService
@@ -199,7 +199,7 @@ class PushConsumer:
             mq=mq, client_id=self.client_id, orderly=orderly, defer_acks=not orderly
         )
         terminal = self._call_orderly if orderly else self._call_concurrently
-        return chain(self._middleware, terminal, scope)
+        return _dead_lettering_undecodable(chain(self._middleware, terminal, scope))
 
     def _call_concurrently(self, messages: Sequence[MessageExt]) -> BatchResult:
         assert self._concurrently is not None
@@ -556,3 +556,32 @@ class PushConsumer:
         service = self.orderly_service or self.concurrently_service
         if service is not None:
             service.shutdown(0)
+
+
+def _dead_lettering_undecodable(call: CallNext) -> CallNext:
+    """``call`` for the messages that are messages; queue entries that are not (see
+    :func:`~idem.retry.consumer.topics.undecodable_message`) skip the middleware and the
+    listener and come back dead, with their reason: bad input goes to the DLQ, and the
+    queue moves on past it."""
+
+    def clean(messages: Sequence[MessageExt]) -> BatchResult:
+        bad = {
+            i: m.properties[UNDECODABLE]
+            for i, m in enumerate(messages)
+            if UNDECODABLE in m.properties
+        }
+        if not bad:
+            return call(messages)
+        good = [i for i in range(len(messages)) if i not in bad]
+        inner = call([messages[i] for i in good]) if good else BatchResult(0)
+        merged = BatchResult(len(messages), dead=bad, suspend_ms=inner.suspend_ms)
+        for k, i in enumerate(good):
+            if k in inner.failed:
+                merged.failed[i] = inner.failed[k]
+            if k in inner.dead:
+                merged.dead[i] = inner.dead[k]
+            if k in inner.pending:
+                merged.pending[i] = inner.pending[k]
+        return merged
+
+    return clean

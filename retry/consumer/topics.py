@@ -26,9 +26,12 @@ from typing import Any, cast
 import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.errors import ConfigError, SerializationError
+from idem.errors import ConfigError
 from idem.redis_cluster import RedisClient
 from idem.retry.message import MessageExt
+
+UNDECODABLE = "IDEM_UNDECODABLE"
+"""Property of a placeholder for a queue entry that is not a message: the reason."""
 
 DEFAULT_QUEUE_NUMS = 4
 """``defaultTopicQueueNums``: queues of a topic created without saying how many."""
@@ -148,14 +151,20 @@ class TopicStore:
 
     def _message(self, mq: MessageQueue, entry_id: Any, fields: Mapping[Any, Any]) -> MessageExt:
         values = {_text(k): v for k, v in fields.items()}
+        offset = _offset_of(entry_id)
         try:
             data = json.loads(values["m"])
-        except (KeyError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SerializationError(f"{mq}: entry {_text(entry_id)} is not a message") from exc
-        data["queue_id"] = mq.queue_id
-        data["queue_offset"] = _offset_of(entry_id)
-        data["store_timestamp"] = int(_text(values.get("t", b"0")))
-        return MessageExt.from_dict(data)
+            data["queue_id"] = mq.queue_id
+            data["queue_offset"] = offset
+            data["store_timestamp"] = int(_text(values.get("t", b"0")))
+            return MessageExt.from_dict(data)
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            # Not a message idem's producer wrote: it still has its offset, so it must not
+            # stop the queue. It goes on as a placeholder the consumer dead-letters.
+            reason = (
+                f"undecodable: {mq} offset {offset} is not a message ({type(exc).__name__}: {exc})"
+            )
+            return undecodable_message(mq, offset, values, reason)
 
     def read_many(
         self,
@@ -232,3 +241,22 @@ class TopicStore:
         """Every stored message of ``mq`` (tests, tools)."""
         entries: list[Any] = cast(Any, self.client.xrange(self.queue_key(mq)))
         return [self._message(mq, eid, fields) for eid, fields in entries]
+
+
+def undecodable_message(
+    mq: MessageQueue, offset: int, values: Mapping[str, Any], reason: str
+) -> MessageExt:
+    """A placeholder at ``offset`` for an entry that is not a message: its fields as JSON
+    (bytes decoded with replacement) for the DLQ row, and ``reason`` in its properties."""
+    fields = {
+        name: value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        for name, value in values.items()
+    }
+    return MessageExt(
+        topic=mq.topic,
+        msg_id=f"UNDECODABLE-{mq.topic}-{mq.queue_id}-{offset}",
+        body=json.dumps(fields, ensure_ascii=False).encode("utf-8"),
+        queue_id=mq.queue_id,
+        queue_offset=offset,
+        properties={UNDECODABLE: reason},
+    )

@@ -34,6 +34,7 @@ from idem.retry.consumer import (
     consumer_offsets,
     new_message,
 )
+from idem.retry.dlq import DeadLetterTable
 from idem.retry.message import MessageExt
 from idem.retry.status import (
     ConsumeConcurrentlyContext,
@@ -178,6 +179,27 @@ def test_tags_filter_and_the_offset_still_advances(
     start(config, got, consumers, sub_expression="A")
     eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 8)
     assert sorted(got.keys()) == ["K1", "K3", "K5", "K7"]
+
+
+def test_a_queue_entry_that_is_not_a_message_is_dead_lettered_and_the_queue_moves_on(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    """Something other than idem's producer wrote a bad entry into a queue: it must not stop
+    the queue (before, every pull of the topic failed on it, forever), nor vanish unseen
+    behind a tag filter: it becomes one DLQ row with its reason."""
+    topics = TopicStore(real_redis)
+    mq = MessageQueue("orders", 0)
+    topics.put(mq, [new_message("orders", b"{}", keys="K0", tags="A")])
+    real_redis.xadd(TopicStore.queue_key(mq), {"junk": b"\xff\x00"}, id="0-*")
+    topics.put(mq, [new_message("orders", b"{}", keys="K2", tags="A")])
+    got = Recorder()
+    start(config, got, consumers, sub_expression="A")
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 3)
+    assert got.keys() == ["K0", "K2"]
+    [letter] = DeadLetterTable(config.resolved_dlq_path, config.group).list()
+    assert letter.msg_id == "UNDECODABLE-orders-0-1"
+    assert letter.last_error is not None
+    assert "undecodable: orders:0 offset 1 is not a message (KeyError" in letter.last_error
 
 
 def test_ack_index_sends_back_only_the_rest(
