@@ -265,7 +265,8 @@ class DeadLetterTable:
         app_id: str | None = None,
         txn_version: int | None = None,
     ) -> int:
-        """Insert the letters not already present; returns how many rows were added."""
+        """Insert the letters not already present, and make a ``REPLAYED`` row of a message
+        that died again after its replay ``DEAD`` again; returns the rows added or reopened."""
         if not letters:
             return 0
         # One row per message even when a batch names it twice.
@@ -291,10 +292,21 @@ class DeadLetterTable:
                     target_alias="t",
                     commit_properties=props,
                 )
+                # A message replayed from here that died again walks the same msg ids, so
+                # it matches its REPLAYED row: that row is DEAD again, with this death's
+                # details (else it would sit there as "replayed", out of every listing).
+                .when_matched_update(
+                    updates={column: f"s.{column}" for column in _REOPENED_COLUMNS},
+                    predicate=(
+                        f"t.status = '{DeadLetterStatus.REPLAYED}' AND t.replayed_at IS NOT NULL"
+                        " AND s.dead_at > t.replayed_at"
+                    ),
+                )
                 .when_not_matched_insert_all()
                 .execute()
             )
-            return int(metrics.get("num_target_rows_inserted", 0))
+            added = metrics.get("num_target_rows_inserted", 0)
+            return int(added) + int(metrics.get("num_target_rows_updated", 0))
 
         return self.faults.delta(merge, what=f"write to {self.name}", wrap=DeadLetterError)
 
@@ -399,6 +411,19 @@ class DeadLetterTable:
     ) -> int:
         """Mark ``DEAD`` rows ``DISCARDED`` with when and by whom; returns rows changed."""
         return self._set_status(letters, DeadLetterStatus.DISCARDED, at_ms, by)
+
+
+_REOPENED_COLUMNS = (
+    "status",
+    "body",
+    "properties",
+    "reconsume_times",
+    "dead_at",
+    "dead_date",
+    "last_error",
+    "errors",
+)
+"""What a second death after a replay rewrites in the letter's row (who replayed it stays)."""
 
 
 def _add_missing_columns(table: DeltaTable) -> None:

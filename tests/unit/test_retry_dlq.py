@@ -50,6 +50,29 @@ def test_a_dead_letter_written_twice_is_one_row(tmp_path: Path, clock: ManualClo
     assert DeltaTable(str(tmp_path / "dlq")).metadata().name == "%DLQ%CID_dlq"
 
 
+def test_a_replayed_message_that_dies_again_is_dead_again_not_left_as_replayed(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A replay walks the same msg ids as the message's first life, so its second death
+    matches the REPLAYED row: that row must be DEAD again (listed, replayable), or the
+    message is in neither the sink, the retry topic nor the DLQ's dead letters."""
+    table = DeadLetterTable(str(tmp_path / "dlq"), "CID_dlq", clock=clock)
+    [first] = _letters(clock, 1)
+    assert table.write([first]) == 1
+    clock.advance(60)
+    assert table.mark_replayed([first], by="ops@host") == 1
+    assert table.write([first]) == 0  # the same death written twice stays one replayed row
+    clock.advance(3600)
+    [again] = _letters(clock, 1)  # the replay failed all the way down the ladder again
+    assert (again.origin_msg_id, again.msg_id) == (first.origin_msg_id, first.msg_id)
+    assert table.write([again]) == 1
+    [row] = table.list()
+    assert row.status is DeadLetterStatus.DEAD
+    assert row.dead_at_ms == again.dead_at_ms
+    assert row.replayed_by == "ops@host"  # who replayed it last is kept
+    assert [r.origin_msg_id for r in table.list(status=DeadLetterStatus.DEAD)] == ["O0"]
+
+
 def test_a_transaction_already_committed_writes_nothing(tmp_path: Path, clock: ManualClock) -> None:
     table = DeadLetterTable(str(tmp_path / "dlq"), "CID_dlq", clock=clock)
     assert table.write(_letters(clock, 2), app_id="q", txn_version=3) == 2
