@@ -202,7 +202,8 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     if result.skipped_replayed:
         print(
             f"{result.skipped_replayed} matching row(s) were replayed before and were left "
-            "alone (--include-replayed sends them again; the dedup layer still applies)"
+            "alone (--include-replayed sends them again; keys completed within the dedup "
+            "window are still suppressed)"
         )
     if result.selected == 0:
         print("nothing to replay")
@@ -336,6 +337,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             sub.add_argument(
                 "--include-replayed",
                 action="store_true",
-                help="also send rows replayed before (the dedup layer still applies)",
+                help=(
+                    "also send rows replayed before (keys completed within the dedup window "
+                    "are still suppressed)"
+                ),
             )
         sub.set_defaults(func=_guarded(handler))

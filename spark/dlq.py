@@ -3,7 +3,9 @@
 A replay sends the dead message back through the group's retry path (a new
 delivery at delay level 1, ``reconsume_times`` reset, ``ORIGIN_MESSAGE_ID``
 kept), so it reaches the sink through the dedup layer like any delivery: a
-message whose key was completed meanwhile is suppressed, never applied twice.
+message whose key was completed within the dedup window (``dedup_window_ms``,
+7 days by default; the whole ledger only in ``strict`` mode) is suppressed, not
+applied twice. A key completed longer ago than that is applied again.
 The DLQ row is then marked ``REPLAYED`` with when and by whom (``replayed_at``,
 ``replayed_by``: ``user@host`` unless ``--by`` names someone); the message
 carries the same in ``IDEM_REPLAYED_BY``/``IDEM_REPLAYED_AT``. A discard
