@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -32,6 +33,10 @@ from idem.retry.message import MessageExt
 log = logging.getLogger(__name__)
 
 PULL_TIME_DELAY_MILLS_WHEN_EXCEPTION = 3000
+
+RETAKE_IDLE_MS = 10_000
+"""``%RETRY%<group>``: deliveries unacknowledged this long (or twice the offset persist
+interval, if longer) are taken over by the queue's owner, checked as often."""
 """A pull that failed is tried again this much later (RocketMQ: 3 s)."""
 
 MIB = 1024 * 1024
@@ -89,6 +94,7 @@ class PullService:
         self.engine = engine
         self.retry_topic = retry_topic
         self._stop = threading.Event()
+        self._last_retake = time.monotonic()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -164,9 +170,18 @@ class PullService:
 
     def _pull_retry(self, pq: ProcessQueue) -> None:
         assert self.engine is not None
-        if pq.take_over_deliveries:
-            taken = self._take_over_deliveries()
+        now = time.monotonic()
+        # A new owner takes over every delivery a previous owner left unacknowledged. Later,
+        # now and then, those idle for long: a previous owner's read still in flight when
+        # the queue moved lands in its pending list after the takeover, and it may die.
+        # Past the retry acks' own delay: they are sent with the next offset persist.
+        retake_ms = max(RETAKE_IDLE_MS, 2 * self.settings.persist_consumer_offset_interval_ms)
+        stale = now - self._last_retake >= retake_ms / 1000
+        if pq.take_over_deliveries or stale:
+            idle_ms = 0 if pq.take_over_deliveries else retake_ms
+            taken = self._take_over_deliveries(idle_ms)
             pq.take_over_deliveries = False
+            self._last_retake = now
             if taken:
                 log.info(
                     "%s: took over %d unacknowledged retry deliveries", self.client_id, len(taken)
@@ -178,8 +193,10 @@ class PullService:
         if messages:
             self._deliver(pq, messages)
 
-    def _take_over_deliveries(self) -> list[MessageExt]:
-        """Claim every pending entry of ``%RETRY%<group>`` (``XAUTOCLAIM`` idle >= 0)."""
+    def _take_over_deliveries(self, min_idle_ms: int = 0) -> list[MessageExt]:
+        """Claim the pending entries of ``%RETRY%<group>`` idle at least ``min_idle_ms``
+        (``XAUTOCLAIM``; this consumer's own are re-read too, and its process queue drops
+        those it still holds)."""
         assert self.engine is not None
         topic = self.engine.topic
         taken: list[MessageExt] = []
@@ -192,7 +209,7 @@ class PullService:
                         topic.key,
                         topic.group,
                         self.client_id,
-                        min_idle_time=0,
+                        min_idle_time=min_idle_ms,
                         start_id=start,
                         count=1000,
                     ),

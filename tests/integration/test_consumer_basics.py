@@ -33,6 +33,7 @@ from idem.retry.consumer import (
     allocate_averagely,
     consumer_offsets,
     new_message,
+    pull,
 )
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.message import MessageExt
@@ -200,6 +201,38 @@ def test_a_queue_entry_that_is_not_a_message_is_dead_lettered_and_the_queue_move
     assert letter.msg_id == "UNDECODABLE-orders-0-1"
     assert letter.last_error is not None
     assert "undecodable: orders:0 offset 1 is not a message (KeyError" in letter.last_error
+
+
+def test_a_retry_delivery_stranded_with_a_previous_owner_is_taken_over(
+    real_redis: redis.Redis,
+    config: IdemConfig,
+    consumers: list[PushConsumer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A previous owner's read of %RETRY% that was in flight when the queue moved lands in
+    its pending list after the new owner's takeover, and that owner may die. The new owner
+    must take such deliveries over once they sit idle, or they are never consumed."""
+    monkeypatch.setattr(pull, "RETAKE_IDLE_MS", 300, raising=False)
+    got = Recorder()
+    consumer = start(config, got, consumers)
+    engine = consumer.engine
+    assert engine is not None
+    read = engine.poll_retry
+    owner_reads = threading.Event()  # until set, the owner's reads of %RETRY% come back empty
+
+    def owner_poll(name: str, count: int, block_ms: int | None = None) -> list[MessageExt]:
+        if not owner_reads.is_set():
+            time.sleep(0.02)
+            return []
+        return read(name, count, block_ms)
+
+    monkeypatch.setattr(engine, "poll_retry", owner_poll)
+    engine.send_back([MessageExt(topic="orders", msg_id="M1", keys="K1", body=b"{}")])
+    stranded = eventually(lambda: read("a-previous-owner", 10), timeout=10)  # never acked
+    assert [m.keys for m in stranded] == ["K1"]
+    owner_reads.set()
+    eventually(lambda: got.keys() == ["K1"], timeout=10)
+    eventually(lambda: engine.pending() == 0, timeout=10)
 
 
 def test_ack_index_sends_back_only_the_rest(
