@@ -178,7 +178,7 @@ class RedisHotStore:
     def claim_hash(self, key: str) -> str:
         """The Redis hash a claim of ``key`` made now goes to (the field is the key)."""
         tag = self._tags[bucket_of(key, self.buckets)]
-        return f"{tag}:p:{CLAIM_GEN_MS}:{self.clock.now_ms() // CLAIM_GEN_MS}"
+        return self._claim_names(tag, self.clock.now_ms())[0]
 
     def _claim_names(self, tag: str, now_ms: int) -> list[str]:
         """The claim generation hashes a call at ``now_ms`` may touch, newest first."""
@@ -186,6 +186,7 @@ class RedisHotStore:
         return [f"{tag}:p:{CLAIM_GEN_MS}:{pgen - i}" for i in range(self._span + 1)]
 
     def _completed_name(self, tag: str, gen: int) -> str:
+        """The hash of the keys completed in generation ``gen`` (``completed_at // window``)."""
         return f"{tag}:c:{self._window}:{gen}"
 
     def watermark_name(self, bucket: int) -> str:
@@ -390,13 +391,12 @@ class RedisHotStore:
         """
         now = self.clock.now_ms()
         gen = now // self.completed_ttl_ms
-        pgen = now // CLAIM_GEN_MS
         pipes = self._pipes()
         plan: list[Sequence[str]] = []
         for bucket, keys in keys_by_bucket.items():
             tag = self._tags[self._bucket(bucket)]
-            hashes = [f"{tag}:c:{self._window}:{g}" for g in (gen, gen - 1)]
-            hashes += [f"{tag}:p:{CLAIM_GEN_MS}:{pgen - i}" for i in range(self._span + 1)]
+            hashes = [self._completed_name(tag, g) for g in (gen, gen - 1)]
+            hashes += self._claim_names(tag, now)
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = list(keys[start : start + CLAIM_CHUNK])
                 for name in hashes:
@@ -532,7 +532,7 @@ class RedisHotStore:
         )
         gen = self.clock.now_ms() // self.completed_ttl_ms
         names = [
-            (self._tags[bucket], f"{self._tags[bucket]}:c:{self._window}:{g}")
+            (self._tags[bucket], self._completed_name(self._tags[bucket], g))
             for bucket in wanted
             for g in (gen, gen - 1)
         ]
@@ -563,8 +563,9 @@ class RedisHotStore:
         gen = self.clock.now_ms() // self.completed_ttl_ms
         pipes = self._pipes()
         for bucket in wanted:
+            tag = self._tags[bucket]
             for g in (gen, gen - 1):
-                pipes.pipe(self._tags[bucket]).hlen(f"{self._tags[bucket]}:c:{self._window}:{g}")
+                pipes.pipe(tag).hlen(self._completed_name(tag, g))
         replies = self._run(pipes, "held_keys") if wanted else []
         return {
             bucket: int(replies[2 * n]) + int(replies[2 * n + 1]) for n, bucket in enumerate(wanted)

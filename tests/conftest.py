@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from redis_backends import RealRedis
+from redis_backends import RealRedis, flushed_client
 
 from idem.clock import ManualClock
 from idem.redis_cluster import LocalCluster
@@ -45,10 +45,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def real_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
     """A client to the shared real server, flushed before each test."""
-    client = redis_server.client()
-    client.flushall()
-    yield client
-    client.close()
+    yield from flushed_client(redis_server)
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import redis
+
+from idem.redis_server import RedisServer
 
 
 @dataclass(frozen=True)
@@ -15,3 +17,11 @@ class RealRedis:
     client: redis.Redis
     url: str
     new_client: Callable[[], redis.Redis]
+
+
+def flushed_client(server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of ``server``, everything flushed first, closed afterwards (for fixtures)."""
+    client = server.client()
+    client.flushall()
+    yield client
+    client.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_backends import flushed_client
 
 from idem.clock import ManualClock
 from idem.config import IdemConfig
@@ -36,10 +37,7 @@ def debug_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def debug_redis(debug_server: RedisServer) -> Iterator[redis.Redis]:
     """A client of the private server, flushed before the test."""
-    client = debug_server.client()
-    client.flushall()
-    yield client
-    client.close()
+    yield from flushed_client(debug_server)
 
 
 def _moving(client: redis.Redis) -> list[str]:
