@@ -19,20 +19,18 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import redis
 
+from idem.claiming import PendingClaim
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.config import DedupMode, IdemConfig, MismatchPolicy
-from idem.errors import InvalidKey, StoreUnavailable
-from idem.hotstore import ClaimResult, CompleteResult, HotStore, RedisHotStore
+from idem.config import DedupMode, IdemConfig
+from idem.errors import StoreUnavailable
+from idem.hotstore import CompleteResult, HotStore, RedisHotStore
 from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats
-from idem.keys import bucket_of, group_by_bucket, group_rows_by_bucket, validate_key
+from idem.keys import bucket_of, group_by_bucket
 from idem.ledger import Ledger, open_ledger
-from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause, Invalid
+from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
 
 log = logging.getLogger(__name__)
-
-_MAX_INDEX_ROUNDS = 5
-"""How often a claim retries after the index fell behind again under its feet."""
 
 
 class Dedup:
@@ -75,118 +73,37 @@ class Dedup:
         fingerprints: Sequence[str] | None = None,
         order: Sequence[int] | None = None,
         field: str = "key",
+        hold: bool = True,
     ) -> BatchClaim:
         """Classify every row of a batch and claim its fresh keys for ``owner``.
 
         ``order`` is the precedence of rows for in-batch duplicates (e.g. the
         indices sorted by queue offset, then born time); by default input order.
+        ``fingerprints`` (one per row) tell a duplicate that arrives with another
+        payload. ``hold=False`` takes no leases: only for a sink whose write is
+        the ledger commit itself (:meth:`complete` with ``payload``), which the
+        ledger checks against every commit since the claim. The same as
+        :meth:`start` then :meth:`PendingClaim.finish`.
         """
-        size = len(keys)
-        prints = tuple(fingerprints) if fingerprints is not None else ("",) * size
-        if len(prints) != size:
-            raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
-        normalised, invalid, duplicates, first = _normalise(
-            keys, order if order is not None else range(size), field, self.config.max_key_bytes
-        )
-        grouped, row_buckets = group_rows_by_bucket(first, size, self.config.buckets)
-        result, version = self._claim_indexed(grouped, owner)
-        claimed = set(result.claimed)
-        if self.config.mode is DedupMode.STRICT and claimed:
-            claimed -= self._strict_recheck(claimed, grouped, owner, result)
+        pending = self.start(keys, owner=owner, order=order, field=field, hold=hold)
+        return pending.finish(fingerprints)
 
-        fresh: list[int] = []
-        busy: list[int] = []
-        mismatched: dict[int, str] = {}
-        busy_keys = set(result.busy)
-        for key, i in first.items():
-            if key in claimed:
-                fresh.append(i)
-            elif key in busy_keys:
-                busy.append(i)
-            else:
-                duplicates[i] = DuplicateCause.COMPLETED
-                stored = result.duplicates.get(key, "")
-                if stored and prints[i] and stored != prints[i]:
-                    mismatched[i] = stored
-        retaken_keys = set(result.retaken)
-        reclaimed_keys = set(result.reclaimed)
-        claim = BatchClaim(
-            owner=owner,
-            keys=tuple(normalised),
-            fingerprints=prints,
-            fresh=tuple(sorted(fresh)),
-            duplicates=duplicates,
-            busy=tuple(sorted(busy)),
-            invalid=tuple(sorted(invalid, key=lambda bad: bad.index)),
-            mismatched=tuple(sorted(mismatched)),
-            stored_fingerprints=mismatched,
-            retaken=tuple(i for i in sorted(fresh) if normalised[i] in retaken_keys),
-            ledger_version=version,
-            reclaimed=tuple(i for i in sorted(fresh) if normalised[i] in reclaimed_keys),
-            buckets=tuple(row_buckets),
-        )
-        if claim.mismatched and self.config.mismatch_policy is MismatchPolicy.WARN:
-            log.warning(
-                "%d key(s) arrived again with a different payload, e.g. %r",
-                len(claim.mismatched),
-                normalised[claim.mismatched[0]],
-            )
-        return claim
-
-    def _claim_indexed(
-        self, grouped: Mapping[int, Sequence[str]], owner: str
-    ) -> tuple[ClaimResult, int]:
-        """Claim after making sure every touched bucket indexes the ledger (DESIGN §1 step 3)."""
-        claimed: list[str] = []
-        retaken: list[str] = []
-        reclaimed: list[str] = []
-        dups: dict[str, str] = {}
-        busy: list[str] = []
-        pending: Mapping[int, Sequence[str]] = grouped
-        version: int | None = None  # the first round's: every claimed bucket had reached it
-        for _ in range(_MAX_INDEX_ROUNDS):
-            if not pending:
-                break
-            reached = self.catch_up(pending.keys())
-            version = reached if version is None else version
-            result = self.hot.claim(pending, owner, min_version=reached)
-            claimed += result.claimed
-            retaken += result.retaken
-            reclaimed += result.reclaimed
-            dups.update(result.duplicates)
-            busy += result.busy
-            # Only the keys a stale bucket did not examine are tried again; the others
-            # already have their verdict (a re-claim would report them as re-taken).
-            pending = group_by_bucket(result.stale, self.config.buckets)
-        if pending:
-            raise RuntimeError(
-                f"buckets {sorted(pending)} kept losing their index while claiming; "
-                "is Redis restarting in a loop?"
-            )
-        merged = ClaimResult(
-            claimed=claimed,
-            retaken=retaken,
-            duplicates=dups,
-            busy=busy,
-            stale_buckets=frozenset(),
-            reclaimed=reclaimed,
-        )
-        return merged, -1 if version is None else version
-
-    def _strict_recheck(
+    def start(
         self,
-        claimed: set[str],
-        grouped: Mapping[int, Sequence[str]],
+        keys: Sequence[object],
+        *,
         owner: str,
-        result: ClaimResult,
-    ) -> set[str]:
-        """Strict mode: keys the ledger already holds within the window are duplicates."""
-        since = self.clock.now_ms() - self.config.dedup_window_ms
-        found = self.ledger.existing(sorted(claimed), since_ms=since)
-        if found:
-            self.hot.release(group_by_bucket(found, self.config.buckets), owner)
-            result.duplicates.update(found)
-        return set(found)
+        order: Sequence[int] | None = None,
+        field: str = "key",
+        hold: bool = True,
+    ) -> PendingClaim:
+        """:meth:`begin` up to the claims sent to Redis; its ``finish`` reads the verdicts.
+
+        Redis runs the claims meanwhile, so the caller can do other work before
+        ``finish`` (which must follow: it also gives back the connection).
+        """
+        rows = order if order is not None else range(len(keys))
+        return PendingClaim(self, keys, owner=owner, order=rows, field=field, hold=hold)
 
     def catch_up(self, buckets: Iterable[int] | None = None) -> int:
         """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
@@ -285,21 +202,17 @@ class Dedup:
                 payload=payload,
                 results=results,
             )
-        prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
-        grouped: dict[int, list[str]] = {}
-        for key, bucket in zip(keys, buckets, strict=True):
-            grouped.setdefault(bucket, []).append(key)
         version = result.version if result.version is not None else -2
         fenced: list[str] = []
         if defer_index:
             self.settle()
             self._indexing = self._indexer().submit(
-                self.hot.complete, grouped, claim.owner, prints, version=version,
+                self._index_completed, claim, indices, keys, buckets, version=version,
                 completed_at_ms=now,
             )  # fmt: skip
         else:
-            done = self.hot.complete(
-                grouped, claim.owner, prints, version=version, completed_at_ms=now
+            done = self._index_completed(
+                claim, indices, keys, buckets, version=version, completed_at_ms=now
             )
             fenced = done.fenced
         if result.already_present:
@@ -314,6 +227,25 @@ class Dedup:
             slipped=tuple(result.already_present),
             fenced=tuple(fenced),
             replayed=result.replayed,
+        )
+
+    def _index_completed(
+        self,
+        claim: BatchClaim,
+        indices: Sequence[int],
+        keys: Sequence[str],
+        buckets: Sequence[int],
+        *,
+        version: int,
+        completed_at_ms: int,
+    ) -> CompleteResult:
+        """Tell Redis that the committed rows' keys are COMPLETED at ledger ``version``."""
+        prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
+        grouped: dict[int, list[str]] = {}
+        for key, bucket in zip(keys, buckets, strict=True):
+            grouped.setdefault(bucket, []).append(key)
+        return self.hot.complete(
+            grouped, claim.owner, prints, version=version, completed_at_ms=completed_at_ms
         )
 
     def settle(self) -> CompleteResult | None:
@@ -460,32 +392,3 @@ class Dedup:
             ),
         }
         return pa.table(columns)
-
-
-def _normalise(
-    keys: Sequence[object], order: Iterable[int], field: str, limit: int
-) -> tuple[list[str | None], list[Invalid], dict[int, DuplicateCause], dict[str, int]]:
-    """Validate every key (DESIGN §1 step 1): normalised keys, invalid rows, in-batch
-    duplicates (the first occurrence in ``order`` wins) and ``{key: first row}``."""
-    normalised: list[str | None] = [None] * len(keys)
-    invalid: list[Invalid] = []
-    duplicates: dict[int, DuplicateCause] = {}
-    first: dict[str, int] = {}
-    short = limit // 4  # a str of at most this many characters fits in any encoding
-    for i in order:
-        value = keys[i]
-        # The common case, inline: a non-blank str that fits the limit however encoded.
-        if type(value) is str and 0 < len(value) <= short and not value.isspace():
-            key = value
-        else:
-            try:
-                key = validate_key(value, field=field, max_bytes=limit)
-            except InvalidKey as exc:
-                invalid.append(Invalid(i, exc.field, exc.reason, str(exc)))
-                continue
-        normalised[i] = key
-        if key in first:
-            duplicates[i] = DuplicateCause.IN_BATCH
-        else:
-            first[key] = i
-    return normalised, invalid, duplicates, first

@@ -28,7 +28,9 @@ rebuilds it. Time comes from the injected :class:`~idem.clock.Clock`, never Redi
 Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (on a
 Redis Cluster one per primary owning some of the buckets, see
 :mod:`idem.redis_cluster`; the scripts in ``idem/lua/`` document KEYS, ARGV and
-replies). Keys travel as plain ARGV and the scripts prefix them, which keeps
+replies). A claim on a single server writes each chunk's call to the connection
+as soon as it is built instead (:class:`ClaimCalls`), so Redis runs it while the
+caller prepares the next. Keys travel as plain ARGV and the scripts prefix them, which keeps
 Python cheap; every name they build shares
 the hash tag of the declared ``KEYS[1]``. redis-py may resend a pipeline after a
 connection error: every script is safe to run twice (a re-sent claim is ``retaken``).
@@ -42,10 +44,11 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import resources
-from itertools import chain
+from itertools import chain, compress
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from idem.clock import SYSTEM_CLOCK, Clock
@@ -62,6 +65,7 @@ from idem.hotstore_types import (
 from idem.keys import bucket_of
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient, RoutedPipelines
+from idem.redis_stream import StreamedCalls, not_run
 
 __all__ = [
     "ClaimResult",
@@ -86,6 +90,9 @@ MAX_OWNER_CHARS = 256
 _SPAN_DECLARED = 3  # generations an index call declares as a range (else the exact ones)
 
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+_NOT_NEW = re.compile("[^N]")
+_CLAIMED = bytes.maketrans(b"NRXDB", b"\x01\x01\x01\x00\x00")
+"""claim.lua's codes as truth values: claimed (N, R, X) or not (D, B)."""
 
 
 def _load_script(client: RedisClient, name: str) -> Script:
@@ -231,72 +238,30 @@ class RedisHotStore:
     # -- claims ------------------------------------------------------------------------
 
     def claim(
-        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
+        self,
+        keys_by_bucket: Mapping[int, Sequence[str]],
+        owner: str,
+        *,
+        min_version: int,
+        hold: bool = True,
     ) -> ClaimResult:
         """Claim keys for ``owner``, atomically per key, in one round trip.
 
         COMPLETED → duplicate; another owner's live lease → busy; absent, expired or
         held by ``owner`` → claimed. A bucket whose watermark is missing or below
         ``min_version`` (the ledger's current version) claims nothing and is
-        reported stale.
+        reported stale. ``hold=False`` gives the same verdicts without taking the
+        leases: for a sink whose commit is the ledger's checked append, which
+        alone keeps a key from being written twice.
         """
-        self._owner(owner)
-        now = self.clock.now_ms()
-        gen = now // self.completed_ttl_ms
-        head_tail = [str(now), owner, str(self.lease_ms), self._claim_gens]
-        head_tail += [_version("min_version", min_version), self._window]
-        pipes = self._pipes()
-        plan: list[tuple[int, list[str]]] = []
-        for bucket, given in keys_by_bucket.items():
-            self._bucket(bucket)
-            keys = given if isinstance(given, list) else list(given)
-            tag = self._tags[bucket]
-            head = [tag, *head_tail]
-            routing = [
-                self._wm[bucket],
-                self._completed_name(tag, gen),
-                self._completed_name(tag, gen - 1),
-                *self._claim_names(tag, now),
-            ]
-            for start in range(0, len(keys), CLAIM_CHUNK):
-                chunk = keys[start : start + CLAIM_CHUNK]
-                self._claim(keys=routing, args=head + chunk, client=pipes.pipe(tag))
-                plan.append((bucket, chunk))
-        replies = self._run(pipes, "claim") if plan else []
+        claim = self.start_claim(owner, min_version=min_version, hold=hold)
+        claim.add(keys_by_bucket)
+        return claim.result()
 
-        claimed: list[str] = []
-        retaken: list[str] = []
-        reclaimed: list[str] = []
-        duplicates: dict[str, str] = {}
-        busy: list[str] = []
-        stale: list[str] = []
-        stale_buckets: set[int] = set()
-        for (bucket, chunk), reply in zip(plan, replies, strict=True):
-            if reply[0] == 0:
-                stale_buckets.add(bucket)
-                stale.extend(chunk)
-                continue
-            codes = _text(reply[1])
-            if codes.count("N") == len(chunk):
-                claimed.extend(chunk)
-                continue
-            fingerprints = iter(reply[2:])
-            for key, code in zip(chunk, codes, strict=True):
-                if code == "N":
-                    claimed.append(key)
-                elif code == "D":
-                    duplicates[key] = _text(next(fingerprints))
-                elif code == "B":
-                    busy.append(key)
-                elif code == "R":
-                    claimed.append(key)
-                    retaken.append(key)
-                else:  # "X"
-                    claimed.append(key)
-                    reclaimed.append(key)
-        return ClaimResult(
-            claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
-        )
+    def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimCalls:
+        """A :meth:`claim` whose keys are added in parts, each sent to Redis at once
+        (on a single server) while the caller prepares the next; see :class:`ClaimCalls`."""
+        return ClaimCalls(self, self._owner(owner), min_version=min_version, hold=hold)
 
     def complete(
         self,
@@ -577,6 +542,123 @@ class RedisHotStore:
             self.client.delete(self._wm[self._bucket(bucket)])
         except redis.RedisError as exc:
             raise StoreUnavailable(f"Redis DEL of a watermark failed: {exc}") from exc
+
+
+class ClaimCalls:
+    """One claim of many keys, at one instant: :meth:`add` them, then read :meth:`result`.
+
+    On a single server each call (one EVALSHA per bucket chunk) is written to
+    the connection when added, so Redis runs it while the caller prepares the
+    next part (:class:`~idem.redis_stream.StreamedCalls`); on a Cluster the calls
+    go in one routed round trip at :meth:`result`.
+    """
+
+    def __init__(
+        self, store: RedisHotStore, owner: str, *, min_version: int, hold: bool = True
+    ) -> None:
+        self._store = store
+        self._now = store.clock.now_ms()
+        self._gen = self._now // store.completed_ttl_ms
+        self._head_tail = [
+            str(self._now), owner, str(store.lease_ms), store._claim_gens,
+            _version("min_version", min_version), store._window, "hold" if hold else "look",
+        ]  # fmt: skip
+        self._calls: list[tuple[str, list[str], list[str]]] = []  # tag, KEYS, ARGV
+        self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
+        client = store.client
+        self._stream = None if isinstance(client, RedisCluster) else StreamedCalls(client)
+
+    def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
+        """Claim these keys too (each key at most once per claim)."""
+        store, now, gen = self._store, self._now, self._gen
+        for bucket, given in keys_by_bucket.items():
+            store._bucket(bucket)
+            keys = given if isinstance(given, list) else list(given)
+            tag = store._tags[bucket]
+            head = [tag, *self._head_tail]
+            routing = [
+                store._wm[bucket],
+                store._completed_name(tag, gen),
+                store._completed_name(tag, gen - 1),
+                *store._claim_names(tag, now),
+            ]
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = keys[start : start + CLAIM_CHUNK]
+                args = head + chunk
+                self._calls.append((tag, routing, args))
+                self._plan.append((bucket, chunk))
+                if self._stream is not None:
+                    self._stream.call(store._claim, routing, args)
+
+    def result(self) -> ClaimResult:
+        """Every added key's verdict (reads the replies; raises :class:`StoreUnavailable`)."""
+        replies = self._replies()
+        claimed: list[str] = []
+        retaken: list[str] = []
+        reclaimed: list[str] = []
+        duplicates: dict[str, str] = {}
+        busy: list[str] = []
+        stale: list[str] = []
+        stale_buckets: set[int] = set()
+        for (bucket, chunk), reply in zip(self._plan, replies, strict=True):
+            if reply[0] == 0:
+                stale_buckets.add(bucket)
+                stale.extend(chunk)
+                continue
+            codes = _text(reply[1])
+            if len(codes) != len(chunk):
+                raise StoreUnavailable(
+                    f"Redis claim for group {self._store.group!r} answered {len(codes)} "
+                    f"verdicts for {len(chunk)} keys"
+                )
+            if codes.count("N") == len(chunk):
+                claimed.extend(chunk)
+                continue
+            # N, R and X are claimed; only the (few) other codes are walked one by one.
+            claimed.extend(compress(chunk, codes.encode("ascii").translate(_CLAIMED)))
+            fingerprints = iter(reply[2:])
+            for found in _NOT_NEW.finditer(codes):
+                key, code = chunk[found.start()], found.group()
+                if code == "D":
+                    duplicates[key] = _text(next(fingerprints))
+                elif code == "B":
+                    busy.append(key)
+                elif code == "R":
+                    retaken.append(key)
+                else:  # "X"
+                    reclaimed.append(key)
+        return ClaimResult(
+            claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
+        )
+
+    def _replies(self) -> list[Any]:
+        """The replies in call order; what could not stream goes through a routed pipeline."""
+        if not self._calls:
+            return []
+        replies = self._stream.replies() if self._stream is not None else None
+        if replies is None:  # a Cluster, or a connection error: it is unknown what ran
+            replies = self._pipelined(range(len(self._calls)))
+        else:
+            again = [i for i, reply in enumerate(replies) if not_run(reply)]
+            for i, reply in zip(again, self._pipelined(again), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, redis.RedisError):
+                raise StoreUnavailable(
+                    f"Redis claim for group {self._store.group!r} failed: {reply} "
+                    "(the outcome is unknown; read the state again before acting on it)"
+                ) from reply
+        return replies
+
+    def _pipelined(self, indices: Sequence[int]) -> list[Any]:
+        if not indices:
+            return []
+        store = self._store
+        pipes = store._pipes()
+        for i in indices:
+            tag, routing, args = self._calls[i]
+            store._claim(keys=routing, args=args, client=pipes.pipe(tag))
+        return store._run(pipes, "claim")
 
 
 def _calls(

@@ -75,6 +75,18 @@ class CompleteResult:
     """Buckets whose watermark did not reach the version (missing, behind, or fenced)."""
 
 
+class ClaimInFlight(Protocol):
+    """A claim whose keys are added in parts (see :meth:`HotStore.start_claim`)."""
+
+    def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
+        """Claim these keys too (each key at most once per claim)."""
+        ...
+
+    def result(self) -> ClaimResult:
+        """Every added key's verdict."""
+        ...
+
+
 class HotStore(Protocol):
     """The primitives the dedup layer needs from a hot store."""
 
@@ -86,9 +98,19 @@ class HotStore(Protocol):
         ...
 
     def claim(
-        self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str, *, min_version: int
+        self,
+        keys_by_bucket: Mapping[int, Sequence[str]],
+        owner: str,
+        *,
+        min_version: int,
+        hold: bool = True,
     ) -> ClaimResult:
-        """Claim keys for ``owner`` where the index has reached ``min_version``."""
+        """Claim keys for ``owner`` where the index has reached ``min_version`` (``hold=False``:
+        the verdicts only, no leases taken)."""
+        ...
+
+    def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimInFlight:
+        """:meth:`claim` in parts: Redis may run the first while the caller prepares the next."""
         ...
 
     def complete(

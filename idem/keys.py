@@ -63,20 +63,6 @@ def group_by_bucket(keys: Iterable[str], buckets: int) -> dict[int, list[str]]:
     return dict(grouped)
 
 
-def group_rows_by_bucket(
-    first: Mapping[str, int], size: int, buckets: int
-) -> tuple[dict[int, list[str]], list[int]]:
-    """``{key: row}`` grouped by bucket (as :func:`group_by_bucket`), and the bucket of
-    each of ``size`` rows (``-1`` for rows not in ``first``), in one pass."""
-    grouped: defaultdict[int, list[str]] = defaultdict(list)
-    row_buckets = [-1] * size
-    for key, i in first.items():
-        bucket = zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets
-        row_buckets[i] = bucket
-        grouped[bucket].append(key)
-    return dict(grouped), row_buckets
-
-
 def fingerprint(payload: bytes | str | None) -> str:
     """A short, stable digest of a payload (BLAKE2b-128, hex); empty string for no payload."""
     if payload is None:

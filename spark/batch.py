@@ -124,8 +124,12 @@ class BatchRun:
         fingerprint_column: str | None = None,
         msg_id_column: str | None = None,
         key_hash_column: str | None = None,
+        hold_claims: bool = True,
     ) -> None:
         self.table = table
+        self.hold_claims = hold_claims
+        """Whether the claim takes leases (``False`` only when the ledger commit is the
+        sink's write: see :meth:`idem.dedup.Dedup.begin`)."""
         self.batch_id = batch_id
         self.query_id = query_id
         self.owner = f"{query_id}:{batch_id}"
@@ -138,16 +142,12 @@ class BatchRun:
         self.clock = clock
         self.size = table.num_rows
         self.keys = _key_values(table.column(key))
-        hashes = table.column(fingerprint_column) if fingerprint_column else None
-        self.fingerprints: list[str] | None = (
-            None if hashes is None else spark_hex(hashes).to_pylist()
-        )
         self.previous = _previous_messages(table)
-        self.msg_ids = self._msg_ids(
-            table.column(msg_id_column) if msg_id_column else None,
-            table.column(key_hash_column) if key_hash_column and hashes is not None else None,
-            hashes,
-        )
+        self._columns = (fingerprint_column, msg_id_column, key_hash_column)
+        self.fingerprints: list[str] | None = None
+        """Each row's payload fingerprint (``None`` when not computed); set by :meth:`claim`."""
+        self.msg_ids: pa.Array = pa.nulls(0, pa.string())
+        """Each row's message id; set by :meth:`claim`."""
         self.claim_result: BatchClaim | None = None
         self.commit_result: CommitOutcome | None = None
         self._applied: list[int] = []
@@ -193,14 +193,26 @@ class BatchRun:
         if self.previous:
             ahead = sorted(self.previous, key=lambda i: (-self.previous[i].reconsume_times, i))
             order = [*ahead, *(i for i in range(self.size) if i not in self.previous)]
-        self.claim_result = self.dedup.begin(
-            self.keys,
-            owner=self.owner,
-            fingerprints=self.fingerprints,
-            order=order,
-            field=self.key,
+        pending = self.dedup.start(
+            self.keys, owner=self.owner, order=order, field=self.key, hold=self.hold_claims
         )
+        try:
+            self._hash_columns()  # while Redis runs the claims
+        finally:
+            self.claim_result = pending.finish(self.fingerprints)
         return self.claim_result
+
+    def _hash_columns(self) -> None:
+        """The fingerprints and message ids of the rows, from the hashes Spark computed."""
+        fingerprint_column, msg_id_column, key_hash_column = self._columns
+        table = self.table
+        hashes = table.column(fingerprint_column) if fingerprint_column else None
+        self.fingerprints = None if hashes is None else spark_hex(hashes).to_pylist()
+        self.msg_ids = self._msg_ids(
+            table.column(msg_id_column) if msg_id_column else None,
+            table.column(key_hash_column) if key_hash_column and hashes is not None else None,
+            hashes,
+        )
 
     @property
     def fresh(self) -> tuple[int, ...]:

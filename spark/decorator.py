@@ -210,6 +210,9 @@ class ExactlyOnce:
             fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
             msg_id_column=MSG_ID_COLUMN if self.msg_id is not None else None,
             key_hash_column=KEY_HASH_COLUMN if KEY_HASH_COLUMN in table.column_names else None,
+            # Rows go only into the sink table, whose commit is checked against the ledger:
+            # no lease is needed to keep a key from being written twice (see Dedup.begin).
+            hold_claims=self.fn is not None or self.sink_table is None,
         )
         outcome = self._run(run, batch_df, clock, replay=attempt > 1)
         self.last_outcome = outcome

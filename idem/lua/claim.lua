@@ -10,7 +10,10 @@
 -- ARGV[5]  claim generations "<width_ms>:<span>" (see below)
 -- ARGV[6]  min_version: the ledger version the bucket's index must have reached
 -- ARGV[7]  window_ms: the dedup window (also names the completed generations)
--- ARGV[8..] business keys (every name built here from ARGV[1] shares the hash
+-- ARGV[8]  'hold': claim (write the leases below); 'look': the same verdicts, nothing
+--          written (for a sink whose commit is the ledger's checked append: the
+--          ledger, not a lease, keeps a key from being written twice)
+-- ARGV[9..] business keys (every name built here from ARGV[1] shares the hash
 --          tag of KEYS[1], so the script stays in one cluster slot)
 --
 -- Layout: COMPLETED keys live in generation hashes  <tag>:c:<window>:<gen>
@@ -29,7 +32,8 @@
 --
 -- Returns {0} when the watermark is missing, below min_version or written for
 -- another window: nothing was claimed, the caller must catch the index up first.
--- Otherwise {1, codes, fingerprint...}: codes has one character per key, in order:
+-- Otherwise {1, codes, fingerprint...}: codes has one character per key, in order
+-- (with 'look' nothing is written, the verdicts are the same):
 --   N  absent                          -> claimed, attempt 1
 --   R  IN_PROGRESS by the same owner   -> claimed again (replay), lease renewed, attempt kept
 --   X  IN_PROGRESS, lease expired      -> claimed, attempt + 1
@@ -57,8 +61,9 @@ local gen = math.floor(now / width)
 local head = 'P|' .. owner .. '|'
 local fresh = head .. lease_until .. '|1'
 
+local hold = ARGV[8] == 'hold'
 local keys = {}
-for i = 8, #ARGV do
+for i = 9, #ARGV do
   keys[#keys + 1] = ARGV[i]
 end
 local n = #keys
@@ -133,6 +138,9 @@ for j = 1, n do
       writes[#writes + 1] = write
     end
   end
+end
+if not hold then
+  writes, moved = {}, {}
 end
 if #writes > 0 then
   sliced(writes, function(...) redis.call('HSET', hashes[1], ...) end)

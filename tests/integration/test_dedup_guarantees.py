@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from idem.claiming import CLAIM_WAVE_ROWS
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import UnsafeRedisConfig
@@ -378,3 +379,127 @@ def test_bad_keys_come_back_invalid_with_reasons(
     # every row is accounted for
     c = claim.counts
     assert c.fresh + c.duplicates + c.busy + c.invalid == len(batch)
+
+
+# -- (h) big batches: claimed in waves while the next slice is validated ------------------
+
+
+def test_a_batch_bigger_than_a_wave_gets_every_verdict_right_across_wave_boundaries(
+    tmp_path: Path, real_redis: object, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    done = [f"DONE_{i}" for i in range(300)]
+    _process(dd, done, owner="earlier:0", batch_id=0)
+    dd.settle()
+    held = [f"HELD_{i}" for i in range(200)]
+    dd.begin(held, owner="other:0")  # another owner's live leases: busy
+    size = 3 * CLAIM_WAVE_ROWS + 17
+    keys: list[object] = [f"NEW_{i}" for i in range(size)]
+    # Repeats whose first copy sits in an earlier wave, completed and held keys in
+    # every wave, and bad keys: each row must get exactly the verdict it would get in
+    # a small batch.
+    for i in range(CLAIM_WAVE_ROWS + 10, size, 997):
+        keys[i] = keys[i - CLAIM_WAVE_ROWS - 5]
+    for n, i in enumerate(range(3, size, size // 300 + 1)):
+        keys[i] = done[n]
+    for n, i in enumerate(range(7, size, size // 200 + 1)):
+        keys[i] = held[n]
+    for i, bad in ((11, None), (CLAIM_WAVE_ROWS, ""), (2 * CLAIM_WAVE_ROWS + 1, "x" * 600)):
+        keys[i] = bad
+    # What a small batch would answer, row by row.
+    expected: dict[str, set[int]] = {v: set() for v in ("bad", "in_batch", "done", "busy", "new")}
+    seen: set[object] = set()
+    for i, key in enumerate(keys):
+        if not key or len(str(key)) > 512:
+            expected["bad"].add(i)
+        elif key in seen:
+            expected["in_batch"].add(i)
+        else:
+            seen.add(key)
+            verdict = "done" if key in done else "busy" if key in held else "new"
+            expected[verdict].add(i)
+    claim = dd.begin(keys, owner="big:1")
+    causes = {
+        cause: {i for i, c in claim.duplicates.items() if c is cause} for cause in DuplicateCause
+    }
+    assert {bad.index for bad in claim.invalid} == expected["bad"]
+    assert causes[DuplicateCause.IN_BATCH] == expected["in_batch"]
+    assert causes[DuplicateCause.COMPLETED] == expected["done"]
+    assert set(claim.busy) == expected["busy"]
+    assert set(claim.fresh) == expected["new"]
+    assert len(expected["in_batch"]) > 10
+    assert len(expected["done"]) > 250
+    assert len(expected["busy"]) > 150
+    assert claim.fresh == tuple(sorted(claim.fresh))
+    # the fresh keys are really held for this owner, and commit once
+    assert not dd.begin([keys[i] for i in claim.fresh[:50]], owner="other:1").fresh
+    assert dd.complete(claim, batch_id=1, app_id="big").committed == len(expected["new"])
+    assert dd.ledger.audit() == []
+
+
+def test_a_claim_whose_scripts_redis_forgot_or_whose_connection_died_still_gets_verdicts(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(2_000)]
+    real_redis.script_flush()  # a restarted Redis knows no script: every call is NOSCRIPT
+    first = dd.begin(keys[:1_000], owner="q:1")
+    assert len(first.fresh) == 1_000
+    assert not first.retaken
+    # The connection dies after the calls went out: nobody knows which ran, so all
+    # are sent again; those that ran come back as this owner's own claims (re-taken).
+    pending = dd.start(keys, owner="q:2")
+    real_redis.client_kill_filter(_type="normal", skipme=True)
+    claim = pending.finish()
+    assert len(claim.fresh) == 1_000  # keys[1000:]; the first thousand are q:1's
+    assert len(claim.busy) == 1_000
+    assert not set(claim.retaken) - set(claim.fresh)
+    assert dd.complete(claim, batch_id=2, app_id="q").committed == 1_000
+
+
+# -- (i) a sink that is the ledger takes no leases ------------------------------------------
+
+
+def _payload(keys: list[str], writer: str) -> Any:
+    import pyarrow as pa
+
+    return pa.table({"amount": pa.array([1.0] * len(keys)), "writer": [writer] * len(keys)})
+
+
+def test_two_writers_of_a_ledger_sink_without_leases_write_each_key_once(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    a = Dedup(_config(tmp_path, redis_server.url))
+    b = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(500)]
+    # Both look the keys up before either commits: without leases both see them as new.
+    claim_a = a.begin(keys, owner="a:1", hold=False)
+    claim_b = b.begin(keys[250:] + [f"B_ONLY_{i}" for i in range(50)], owner="b:1", hold=False)
+    assert len(claim_a.fresh) == 500
+    assert len(claim_b.fresh) == 300
+    assert not list(real_redis.scan_iter("idem:*:p:*"))  # no lease written
+    done_a = a.complete(claim_a, batch_id=1, app_id="a", payload=_payload(keys, "a"))
+    rows_b = [claim_b.keys[i] or "" for i in claim_b.fresh]
+    done_b = b.complete(claim_b, batch_id=1, app_id="b", payload=_payload(rows_b, "b"))
+    # The ledger's checked commit is what keeps the second writer out, not a lease.
+    assert done_a.committed == 500
+    assert done_b.committed == 50
+    assert sorted(done_b.slipped) == sorted(keys[250:])
+    assert a.ledger.audit() == []
+    since = a.clock.now_ms() - 60_000
+    assert len(a.ledger.existing(keys, since_ms=since)) == 500
+    # and afterwards they are duplicates for everyone
+    a.settle()
+    b.settle()
+    assert len(b.begin(keys, owner="b:2", hold=False).duplicates) == 500
+
+
+def test_a_lookup_without_lease_still_respects_another_owners_live_lease(
+    tmp_path: Path, real_redis: object, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(20)]
+    dd.begin(keys[:5], owner="consumer:1")  # a function sink holds these
+    looked = dd.begin(keys, owner="delta:1", hold=False)
+    assert sorted(looked.busy) == list(range(5))
+    assert len(looked.fresh) == 15

@@ -85,7 +85,7 @@ def test_only_fresh_rows_reach_the_delta_sink_table_which_is_its_own_ledger(
     assert row["owner"] == "q1:1"
 
 
-def test_a_replayed_batch_retakes_its_claims_and_the_delta_sink_stays_exactly_once(
+def test_a_replayed_batch_of_the_delta_sink_writes_each_key_once(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     config = config_for(tmp_path, redis_server.url, "replayed")
@@ -103,6 +103,42 @@ def test_a_replayed_batch_retakes_its_claims_and_the_delta_sink_stays_exactly_on
         assert sink_key_counts(table) == {"A": 1, "B": 1, "C": 1}
         assert replay.applied == 3  # the batch's own work, whichever attempt committed it
         assert sink.stats.totals().replayed_batches == 1
+
+
+def test_the_delta_sink_takes_no_leases_and_another_query_is_not_held_up_by_a_crashed_one(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "noleases")
+    table = str(tmp_path / "orders")
+
+    def sink(query: str, crash: CrashPlan | None = None) -> ExactlyOnce:
+        return ExactlyOnce(
+            None, config=config, key="order_id", client=real_redis, sink_table=table,
+            query_id=query, crash_plan=crash,
+        )  # fmt: skip
+
+    crashed = sink("q1", CrashPlan(CrashPoint.AFTER_CLAIM, 0))
+    with pytest.raises(SimulatedCrash):
+        crashed.process(_df(spark, "A", "B", "C"), 0)
+    # The sink table's commit is checked against the ledger, so the crashed batch left
+    # nothing in Redis that holds its keys: another query writes them at once.
+    assert not list(real_redis.scan_iter("idem:{noleases:*}:p:*"))
+    other = sink("q2").process(_df(spark, "B", "C", "D"), 0)
+    assert other.busy == 0
+    assert other.applied == 3
+    replay = sink("q1").process(_df(spark, "A", "B", "C"), 0)  # Spark replays q1's batch 0
+    assert replay.applied == 1
+    assert replay.duplicates == {"completed": 2}
+    assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1, "C": 1, "D": 1}
+    # A function sink still holds its keys while it runs.
+    recorder = Recorder()
+    held = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    held.query_id = "q3"
+    held.crash_plan = CrashPlan(CrashPoint.AFTER_SINK, 0)
+    with pytest.raises(SimulatedCrash):
+        held.process(_df(spark, "E"), 0)
+    assert list(real_redis.scan_iter("idem:{noleases:*}:p:*"))
+    assert sink("q4").process(_df(spark, "E"), 0).busy == 1
 
 
 def test_a_function_sink_sees_a_replayed_batch_again_with_the_same_idempotency_keys(
