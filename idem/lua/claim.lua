@@ -97,7 +97,7 @@ end
 
 local reply = {1, ''}
 local codes = {}
-local writes = {}
+local writes, nw = {}, 0  -- field/value pairs to write, and how many values that is
 local moved = {}  -- per older generation: keys whose renewed claim now lives in the current one
 for j = 1, n do
   local done = false
@@ -127,22 +127,19 @@ for j = 1, n do
       else
         codes[j], write = 'X', head .. lease_until .. '|' .. (tonumber(attempt) + 1)
       end
-      if write and where[j] > 1 then
+      if write and hold and where[j] > 1 then
         local list = moved[where[j]] or {}
         list[#list + 1] = keys[j]
         moved[where[j]] = list
       end
     end
-    if write then
-      writes[#writes + 1] = keys[j]
-      writes[#writes + 1] = write
+    if write and hold then
+      writes[nw + 1], writes[nw + 2] = keys[j], write
+      nw = nw + 2
     end
   end
 end
-if not hold then
-  writes, moved = {}, {}
-end
-if #writes > 0 then
+if nw > 0 then
   sliced(writes, function(...) redis.call('HSET', hashes[1], ...) end)
   redis.call('PEXPIRE', hashes[1], string.format('%d', (pgen + span + 1) * pwidth - now))
 end
