@@ -366,9 +366,11 @@ class Dedup:
         def repeat(value: object, kind: pa.DataType) -> pa.Array:
             return pa.repeat(pa.scalar(value, kind), size)
 
+        taken = pa.array(indices, pa.int64()) if meta is not None else None
+
         def meta_column(name: str, kind: pa.DataType) -> pa.Array:
             if meta is not None and name in meta.column_names:
-                return meta.column(name).take(pa.array(indices)).combine_chunks().cast(kind)
+                return meta.column(name).take(taken).combine_chunks().cast(kind)
             return pa.nulls(size, kind)
 
         columns: dict[str, pa.Array] = {

@@ -351,7 +351,8 @@ class DeltaLedger:
                     if seen
                     else pa.repeat(False, source.num_rows)
                 )
-                fresh = source.filter(pc.invert(present))
+                # Nothing since the claim (the usual case): no copy of the rows.
+                fresh = source.filter(pc.invert(present)) if seen else source
                 try:
                     write_deltalake(
                         table,
