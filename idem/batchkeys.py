@@ -1,6 +1,6 @@
 """The keys of one batch, validated and bucketed a slice of rows at a time (DESIGN §1 step 1).
 
-A big batch is claimed in waves (:meth:`idem.dedup.Dedup.begin`): while Redis
+A big batch is claimed in waves (see :mod:`idem.claiming`): while Redis
 runs the claims of one slice of rows, this process validates and buckets the
 next. :class:`BatchKeys` carries what the slices share: the first row of every
 key (in-batch duplicates are decided across the whole batch, in precedence

@@ -12,6 +12,7 @@ bucketed, so this process and Redis work at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -56,17 +57,23 @@ class PendingClaim:
         )
         self.version: int | None = None  # every claimed key's bucket had reached it
         self._calls: ClaimInFlight | None = None
-        if len(order) > CLAIM_WAVE_ROWS:
-            self.version = dedup.catch_up()  # a batch this big touches every bucket
-            self._calls = dedup.hot.start_claim(owner, min_version=self.version, hold=hold)
-            for start in range(0, len(order), CLAIM_WAVE_ROWS):
-                self._calls.add(self.batch.take(order[start : start + CLAIM_WAVE_ROWS]))
-        else:
-            grouped = self.batch.take(order)
-            if grouped:
-                self.version = dedup.catch_up(grouped.keys())
+        try:
+            if len(order) > CLAIM_WAVE_ROWS:
+                self.version = dedup.catch_up()  # a batch this big touches every bucket
                 self._calls = dedup.hot.start_claim(owner, min_version=self.version, hold=hold)
-                self._calls.add(grouped)
+                for start in range(0, len(order), CLAIM_WAVE_ROWS):
+                    self._calls.add(self.batch.take(order[start : start + CLAIM_WAVE_ROWS]))
+            else:
+                grouped = self.batch.take(order)
+                if grouped:
+                    self.version = dedup.catch_up(grouped.keys())
+                    self._calls = dedup.hot.start_claim(owner, min_version=self.version, hold=hold)
+                    self._calls.add(grouped)
+        except BaseException:
+            if self._calls is not None:  # read what was sent: it gives the connection back
+                with contextlib.suppress(Exception):
+                    self._calls.result()
+            raise
 
     def finish(self, fingerprints: Sequence[str] | None = None) -> BatchClaim:
         """Read the verdicts and classify every row (``fingerprints``: the payload
