@@ -12,7 +12,6 @@ bucketed, so this process and Redis work at the same time.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -70,10 +69,15 @@ class PendingClaim:
                     self._calls = dedup.hot.start_claim(owner, min_version=self.version, hold=hold)
                     self._calls.add(grouped)
         except BaseException:
-            if self._calls is not None:  # read what was sent: it gives the connection back
-                with contextlib.suppress(Exception):
-                    self._calls.result()
+            self.abandon()
             raise
+
+    def abandon(self) -> None:
+        """Give the claim up instead of finishing it: the calls sent are read (which gives
+        the connection back) and their leases given back."""
+        calls, self._calls = self._calls, None
+        if calls is not None:
+            calls.abandon()
 
     def finish(self, fingerprints: Sequence[str] | None = None) -> BatchClaim:
         """Read the verdicts and classify every row (``fingerprints``: the payload
@@ -81,6 +85,7 @@ class PendingClaim:
         size = len(self.batch.keys)
         prints = tuple(fingerprints) if fingerprints is not None else ("",) * size
         if len(prints) != size:
+            self.abandon()
             raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
         result = self._verdicts()
         batch, owner = self.batch, self.owner
@@ -121,6 +126,7 @@ class PendingClaim:
             ledger_version=-1 if self.version is None else self.version,
             reclaimed=tuple(sorted(map(row, reclaimed))),
             buckets=tuple(batch.buckets),
+            held=self.hold,
         )
         if claim.mismatched and self.dedup.config.mismatch_policy is MismatchPolicy.WARN:
             log.warning(

@@ -85,6 +85,8 @@ class Dedup:
         ledger checks against every commit since the claim. The same as
         :meth:`start` then :meth:`PendingClaim.finish`.
         """
+        if fingerprints is not None and len(fingerprints) != len(keys):
+            raise ValueError(f"fingerprints: {len(fingerprints)} given for {len(keys)} keys")
         pending = self.start(keys, owner=owner, order=order, field=field, hold=hold)
         return pending.finish(fingerprints)
 
@@ -181,7 +183,12 @@ class Dedup:
             for name in payload.column_names:
                 rows = rows.append_column(payload.schema.field(name), payload.column(name))
         strict = self.config.mode is DedupMode.STRICT
-        window = self.config.dedup_window_ms if strict else 2 * self.config.lease_ms
+        # When the commit cannot check the versions since the claim one by one, it MERGEs
+        # on the rows completed within a horizon. A lease kept every other writer off the
+        # key since the claim, so twice the lease covers a copy committed meanwhile; a
+        # claim without leases covers nothing, so it matches the whole dedup window.
+        leased = claim.held and not strict
+        window = 2 * self.config.lease_ms if leased else self.config.dedup_window_ms
         app = app_id or f"idem:{self.config.group}:{claim.owner}"
         result = self.ledger.commit(
             rows,

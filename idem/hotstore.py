@@ -563,6 +563,8 @@ class ClaimCalls:
             str(self._now), owner, str(store.lease_ms), store._claim_gens,
             _version("min_version", min_version), store._window, "hold" if hold else "look",
         ]  # fmt: skip
+        self._owner = owner
+        self._hold = hold
         self._calls: list[tuple[str, list[str], list[str]]] = []  # tag, KEYS, ARGV
         self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
         client = store.client
@@ -630,6 +632,21 @@ class ClaimCalls:
         return ClaimResult(
             claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
         )
+
+    def abandon(self) -> None:
+        """Give the claim up: read what was sent (never sending it again) and give back the
+        leases this owner holds on the added keys. Best effort: a lease left behind expires."""
+        if self._stream is not None:
+            self._stream.replies()
+        if not (self._hold and self._stream is not None and self._plan):
+            return  # a Cluster claim sends nothing before result(); a lookup holds nothing
+        grouped: dict[int, list[str]] = {}
+        for bucket, chunk in self._plan:
+            grouped.setdefault(bucket, []).extend(chunk)
+        try:
+            self._store.release(grouped, self._owner)
+        except (StoreUnavailable, redis.RedisError):
+            log.warning("giving back the leases of an abandoned claim failed; they will expire")
 
     def _replies(self) -> list[Any]:
         """The replies in call order; what could not stream goes through a routed pipeline."""

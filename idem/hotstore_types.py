@@ -86,6 +86,10 @@ class ClaimInFlight(Protocol):
         """Every added key's verdict."""
         ...
 
+    def abandon(self) -> None:
+        """Give the claim up instead of reading its verdicts (its leases are given back)."""
+        ...
+
 
 class HotStore(Protocol):
     """The primitives the dedup layer needs from a hot store."""

@@ -75,6 +75,9 @@ class BatchClaim:
     reclaimed: tuple[int, ...] = ()
     stored_fingerprints: dict[int, str] = field(default_factory=dict)
     buckets: tuple[int, ...] = ()
+    held: bool = True
+    """Whether the claim took leases on its fresh keys (``False``: a lookup for a sink
+    whose write is the ledger commit; see :meth:`idem.dedup.Dedup.begin`)."""
 
     @property
     def counts(self) -> BatchCounts:

@@ -70,7 +70,7 @@ class StreamedCalls:
                 except redis.ResponseError as exc:
                     replies.append(exc)
             out = replies
-        except (redis.ConnectionError, redis.TimeoutError):
+        except redis.RedisError:  # lost, timed out or garbled: which calls ran is unknown
             connection.disconnect()
             out = None
         finally:

@@ -198,8 +198,10 @@ class BatchRun:
         )
         try:
             self._hash_columns()  # while Redis runs the claims
-        finally:
-            self.claim_result = pending.finish(self.fingerprints)
+        except BaseException:
+            pending.abandon()
+            raise
+        self.claim_result = pending.finish(self.fingerprints)
         return self.claim_result
 
     def _hash_columns(self) -> None:

@@ -94,6 +94,7 @@ class ExactlyOnce:
         query_id: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
         crash_plan: CrashPlan | None = None,
+        leases: bool | None = None,
     ) -> None:
         if not isinstance(key, str) or not key:
             raise ConfigError(f"key: expected the name of the key column, got {key!r}")
@@ -110,6 +111,11 @@ class ExactlyOnce:
         self.query_id = query_id
         self.clock = clock
         self.crash_plan = crash_plan
+        self.leases = (fn is not None or sink_table is None) if leases is None else leases
+        """Whether claims take leases in Redis. By default only the Delta sink with no
+        function of the user's to run takes none: its rows are the ledger commit, which is
+        checked against every version since the claim. Pass ``leases=True`` when a
+        function sink or a consumer shares the group (see :meth:`idem.dedup.Dedup.begin`)."""
         self._client = client
         self._dedup: Dedup | None = None
         self._retry: RetryEngine | None = None
@@ -210,9 +216,7 @@ class ExactlyOnce:
             fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
             msg_id_column=MSG_ID_COLUMN if self.msg_id is not None else None,
             key_hash_column=KEY_HASH_COLUMN if KEY_HASH_COLUMN in table.column_names else None,
-            # Rows go only into the sink table, whose commit is checked against the ledger:
-            # no lease is needed to keep a key from being written twice (see Dedup.begin).
-            hold_claims=self.fn is not None or self.sink_table is None,
+            hold_claims=self.leases,
         )
         outcome = self._run(run, batch_df, clock, replay=attempt > 1)
         self.last_outcome = outcome

@@ -34,6 +34,7 @@ def delta_sink(
     fingerprint: bool = True,
     msg_id: str | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    leases: bool | None = None,
 ) -> ExactlyOnce:
     """A ``foreachBatch`` function writing each key's row once into the Delta table at ``path``.
 
@@ -41,6 +42,11 @@ def delta_sink(
     function, and may return the keys that failed: those are retried on the
     delay ladder instead of written. ``msg_id`` names the column with the
     source's message id (see :func:`~idem.spark.decorator.exactly_once`).
+
+    Without ``validate`` the claims take no leases in Redis: the table's commit is
+    checked against every ledger version since the claim, which alone keeps a key from
+    being written twice. Pass ``leases=True`` if a function sink or a consumer shares
+    the group, so they see the keys this sink is writing as busy.
     """
     return ExactlyOnce(
         validate,
@@ -52,4 +58,5 @@ def delta_sink(
         fingerprint=fingerprint,
         msg_id=msg_id,
         clock=clock,
+        leases=leases,
     )

@@ -61,6 +61,9 @@ local gen = math.floor(now / width)
 local head = 'P|' .. owner .. '|'
 local fresh = head .. lease_until .. '|1'
 
+if ARGV[8] ~= 'hold' and ARGV[8] ~= 'look' then
+  return redis.error_reply('idem: claim mode must be hold or look, got ' .. tostring(ARGV[8]))
+end
 local hold = ARGV[8] == 'hold'
 local keys = {}
 for i = 9, #ARGV do

@@ -61,6 +61,7 @@ def slice_claim(claim: BatchClaim, start: int, size: int) -> BatchClaim:
             i - start: f for i, f in claim.stored_fingerprints.items() if start <= i < end
         },
         buckets=claim.buckets[start:end],
+        held=claim.held,
     )
 
 

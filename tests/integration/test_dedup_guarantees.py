@@ -503,3 +503,43 @@ def test_a_lookup_without_lease_still_respects_another_owners_live_lease(
     looked = dd.begin(keys, owner="delta:1", hold=False)
     assert sorted(looked.busy) == list(range(5))
     assert len(looked.fresh) == 15
+
+
+def test_a_lease_free_commit_that_must_merge_still_finds_a_copy_committed_long_ago(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    # A backfill (w1) looks K up, a live query (w2) writes K and then many more batches;
+    # w1 commits 12 minutes later, too many versions on to check them one by one. Its
+    # MERGE must reach back to K's row: no lease kept w2 off K in between.
+    w1 = Dedup(_config(tmp_path, redis_server.url))
+    w2 = Dedup(_config(tmp_path, redis_server.url))
+    _process(w2, ["SEED"], owner="w2:0", batch_id=0)
+    w2.settle()
+    early = w1.begin(["K"], owner="w1:1", hold=False)
+    assert early.fresh == (0,)
+    for batch_id, keys in enumerate([["K"], *([f"X{i}"] for i in range(70))], start=1):
+        claim = w2.begin(keys, owner=f"w2:{batch_id}", hold=False)
+        w2.complete(claim, batch_id=batch_id, app_id="w2", payload=_payload(keys, "w2"))
+        w2.settle()
+    w1.clock = _Later(w1.clock, 12 * 60_000)  # past twice the lease (5 min)
+    done = w1.complete(early, batch_id=1, app_id="w1", payload=_payload(["K"], "w1"))
+    assert (done.committed, done.slipped) == (0, ("K",))
+    assert w1.ledger.audit() == []
+
+
+def test_a_claim_given_up_after_its_calls_went_out_leaves_no_key_held(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(3 * CLAIM_WAVE_ROWS)]
+    with pytest.raises(ValueError, match="fingerprints: 2 given"):
+        dd.begin(keys, owner="q:1", fingerprints=["a", "b"])
+    # Sent, then given up (the Spark side failed to hash the rows meanwhile): the leases go.
+    dd.start(keys, owner="q:2").abandon()
+    pending = dd.start(keys[:10], owner="q:3")
+    with pytest.raises(ValueError, match="fingerprints: 1 given for 10 keys"):
+        pending.finish(["x"])
+    other = dd.begin(keys, owner="other:1")
+    assert len(other.fresh) == len(keys)
+    assert not other.busy
+    assert dd.complete(other, batch_id=1, app_id="other").committed == len(keys)

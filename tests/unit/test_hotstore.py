@@ -583,7 +583,7 @@ def test_every_hash_a_script_touches_is_declared_or_the_script_refuses(
     store.complete(by_bucket(KEYS), "q:0", dict.fromkeys(KEYS, FP), version=0)
     claim = store._claim.script
     tag = "idem:{orders:0}"
-    args = [tag, clock.now_ms(), "q:1", LEASE_MS, store._claim_gens, -1, WINDOW_MS, "K"]
+    args = [tag, clock.now_ms(), "q:1", LEASE_MS, store._claim_gens, -1, WINDOW_MS, "hold", "K"]
     with pytest.raises(
         redis.ResponseError, match=r"touches idem:\{orders:0\}:c:.*without declaring"
     ):

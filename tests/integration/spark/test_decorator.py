@@ -139,6 +139,14 @@ def test_the_delta_sink_takes_no_leases_and_another_query_is_not_held_up_by_a_cr
         held.process(_df(spark, "E"), 0)
     assert list(real_redis.scan_iter("idem:{noleases:*}:p:*"))
     assert sink("q4").process(_df(spark, "E"), 0).busy == 1
+    # So does the Delta sink when asked to (a function sink shares its group).
+    shared = ExactlyOnce(
+        None, config=config, key="order_id", client=real_redis, sink_table=table,
+        query_id="q5", crash_plan=CrashPlan(CrashPoint.AFTER_CLAIM, 0), leases=True,
+    )  # fmt: skip
+    with pytest.raises(SimulatedCrash):
+        shared.process(_df(spark, "F"), 0)
+    assert sink("q6").process(_df(spark, "F"), 0).busy == 1
 
 
 def test_a_function_sink_sees_a_replayed_batch_again_with_the_same_idempotency_keys(
