@@ -237,6 +237,7 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         "reclaimed",
         "stored_fingerprints",
         "buckets",
+        "held",
     }
     assert {f.name for f in dataclasses.fields(BatchClaim)} == known
     claim = BatchClaim(
@@ -249,8 +250,10 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         invalid=(),
         retaken=(3,),
         buckets=(5, -1, 7, 1),
+        held=False,
     )
     part = slice_claim(claim, 2, 2)
+    assert part.held is False
     assert part.keys == ("c", "d")
     assert part.buckets == (7, 1)
     assert part.fresh == (0, 1)
