@@ -102,7 +102,8 @@ class Dedup:
         """:meth:`begin` up to the claims sent to Redis; its ``finish`` reads the verdicts.
 
         Redis runs the claims meanwhile, so the caller can do other work before
-        ``finish`` (which must follow: it also gives back the connection).
+        ``finish``. ``finish`` or ``abandon`` must follow: either gives the Redis
+        connection back (``abandon`` also gives back the leases taken).
         """
         rows = order if order is not None else range(len(keys))
         return PendingClaim(self, keys, owner=owner, order=rows, field=field, hold=hold)

@@ -30,9 +30,9 @@ Redis Cluster one per primary owning some of the buckets, see
 :mod:`idem.redis_cluster`; the scripts in ``idem/lua/`` document KEYS, ARGV and
 replies). A claim on a single server writes each chunk's call to the connection
 as soon as it is built instead (:class:`ClaimCalls`), so Redis runs it while the
-caller prepares the next. Keys travel as plain ARGV and the scripts prefix them, which keeps
-Python cheap; every name they build shares
-the hash tag of the declared ``KEYS[1]``. redis-py may resend a pipeline after a
+caller prepares the next. Keys travel as plain ARGV and the scripts prefix them,
+which keeps Python cheap; every name they build shares the hash tag of the
+declared ``KEYS[1]``. redis-py may resend a pipeline after a
 connection error: every script is safe to run twice (a re-sent claim is ``retaken``).
 Needs Redis >= 7.0.
 """
