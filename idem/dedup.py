@@ -314,11 +314,11 @@ class Dedup:
         missing = [i for i, k in zip(indices, keys, strict=True) if k not in present]
         fenced: list[str] = []
         if held:
-            grouped = group_by_bucket([k for _, k in held], self.config.buckets)
-            prints = {k: claim.fingerprints[i] for i, k in held}
+            held_rows, held_keys = [i for i, _ in held], [k for _, k in held]
+            buckets = [bucket_of(k, self.config.buckets) for k in held_keys]
             # -2 never moves a watermark: the keys were indexed with their own version.
-            fenced = self.hot.complete(
-                grouped, claim.owner, prints, version=-2, completed_at_ms=now
+            fenced = self._index_completed(
+                claim, held_rows, held_keys, buckets, version=-2, completed_at_ms=now
             ).fenced
         if not missing:
             return CommitOutcome(version=None, committed=0, fenced=tuple(fenced), replayed=True)

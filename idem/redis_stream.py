@@ -58,7 +58,6 @@ class StreamedCalls:
         connection, self._connection = self._connection, None
         if connection is None:
             return None if self._broken else []
-        out: list[Any] | None = []
         try:
             if self._broken:
                 connection.disconnect()
@@ -69,13 +68,12 @@ class StreamedCalls:
                     replies.append(connection.read_response())
                 except redis.ResponseError as exc:
                     replies.append(exc)
-            out = replies
+            return replies
         except redis.RedisError:  # lost, timed out or garbled: which calls ran is unknown
             connection.disconnect()
-            out = None
+            return None
         finally:
             self._pool.release(connection)
-        return out
 
 
 def not_run(reply: Any) -> bool:
