@@ -152,7 +152,7 @@ class PendingClaim:
         for _ in range(MAX_INDEX_ROUNDS - 1):
             if not pending:
                 break
-            reached = dedup.catch_up(pending.keys())
+            reached = dedup.catch_up(pending.keys(), recheck=True)
             result = dedup.hot.claim(pending, self.owner, min_version=reached, hold=self.hold)
             # Only the keys a stale bucket did not examine are tried again; the others
             # already have their verdict (a re-claim would report them as re-taken).

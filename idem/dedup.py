@@ -24,7 +24,7 @@ from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import DedupMode, IdemConfig
 from idem.errors import StoreUnavailable
 from idem.hotstore import CompleteResult, HotStore, RedisHotStore
-from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats
+from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats, OwnCommits
 from idem.keys import bucket_of, group_by_bucket
 from idem.ledger import Ledger, open_ledger
 from idem.outcome import BatchClaim, CommitOutcome
@@ -55,7 +55,10 @@ class Dedup:
         self.clock = clock
         self.hot: HotStore = hot or RedisHotStore.from_config(config, client=client, clock=clock)
         self.ledger: Ledger = ledger or open_ledger(config)
-        self.index = Indexer(config, self.hot, self.ledger, clock, grace_ms=catch_up_grace_ms)
+        self._own = OwnCommits()
+        self.index = Indexer(
+            config, self.hot, self.ledger, clock, grace_ms=catch_up_grace_ms, own=self._own
+        )
         self._pool: ThreadPoolExecutor | None = None
         self._indexing: Future[CompleteResult] | None = None
 
@@ -108,14 +111,15 @@ class Dedup:
         rows = order if order is not None else range(len(keys))
         return PendingClaim(self, keys, owner=owner, order=rows, field=field, hold=hold)
 
-    def catch_up(self, buckets: Iterable[int] | None = None) -> int:
+    def catch_up(self, buckets: Iterable[int] | None = None, *, recheck: bool = False) -> int:
         """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
 
         Waits for a deferred index update of this object first. Steady state costs
-        one cheap ledger version check and one Redis round trip (see :class:`Indexer`).
+        one cheap ledger version check (see :class:`Indexer`); ``recheck`` reads the
+        watermarks even when they were found caught up with this version before.
         """
         self.settle()
-        return self.index.catch_up(buckets)
+        return self.index.catch_up(buckets, recheck=recheck)
 
     @property
     def stats(self) -> IndexStats:
@@ -214,14 +218,26 @@ class Dedup:
         fenced: list[str] = []
         if defer_index:
             self.settle()
-            self._indexing = self._indexer().submit(
-                self._index_completed, claim, indices, keys, buckets, version=version,
-                completed_at_ms=now,
-            )  # fmt: skip
+
+            def index_in_background() -> CompleteResult:
+                try:
+                    return self._index_completed(
+                        claim, indices, keys, buckets, version=version, completed_at_ms=now
+                    )
+                finally:
+                    self._own.done(version)
+
+            self._own.add(version)
+            try:
+                self._indexing = self._indexer().submit(index_in_background)
+            except BaseException:
+                self._own.done(version)
+                raise
         else:
-            done = self._index_completed(
-                claim, indices, keys, buckets, version=version, completed_at_ms=now
-            )
+            with self._own.indexing(version):
+                done = self._index_completed(
+                    claim, indices, keys, buckets, version=version, completed_at_ms=now
+                )
             fenced = done.fenced
         if result.already_present:
             log.warning(

@@ -5,12 +5,22 @@ every ledger version (its watermark). A bucket that is behind loads only the
 keys of the versions it missed, after giving a live writer a moment to index
 its own commit; a bucket whose watermark is gone (FLUSHALL, empty restart) is
 rebuilt from the ledger's dedup window.
+
+In the steady state (the ledger has not moved since the buckets were last
+found caught up) a catch-up reads nothing from Redis: the claim script checks
+the watermark itself and answers "stale" when it is behind, and the claim then
+catches up for real (``recheck``). A writer of this process that is indexing
+its own commit right now is waited for directly (:class:`OwnCommits`), not
+polled for.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -45,6 +55,49 @@ class IndexStats:
     writer_waits_ms: int = 0
 
 
+class OwnCommits:
+    """Ledger versions this process committed whose keys are being indexed in Redis now.
+
+    A claim that finds a bucket behind one of them waits for that indexing to end
+    instead of polling the watermark.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._versions: Counter[int] = Counter()
+
+    @contextmanager
+    def indexing(self, version: int) -> Iterator[None]:
+        """Around the Redis update that indexes this process's commit ``version``."""
+        self.add(version)
+        try:
+            yield
+        finally:
+            self.done(version)
+
+    def add(self, version: int) -> None:
+        """``version`` is being indexed (pair with :meth:`done`)."""
+        with self._cond:
+            self._versions[version] += 1
+
+    def done(self, version: int) -> None:
+        """The indexing of ``version`` ended (landed or failed)."""
+        with self._cond:
+            self._versions[version] -= 1
+            if self._versions[version] <= 0:
+                del self._versions[version]
+            self._cond.notify_all()
+
+    def wait(self, up_to: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no version ``<= up_to`` is being indexed; return
+        whether one was (so the watermarks are worth reading again)."""
+        with self._cond:
+            if not any(v <= up_to for v in self._versions):
+                return False
+            self._cond.wait_for(lambda: not any(v <= up_to for v in self._versions), timeout_s)
+            return True
+
+
 class Indexer:
     """Brings the Redis index of a group's buckets up to its ledger; counts the cost."""
 
@@ -56,23 +109,33 @@ class Indexer:
         clock: Clock,
         *,
         grace_ms: int = CATCH_UP_GRACE_MS,
+        own: OwnCommits | None = None,
     ) -> None:
         self._config = config
         self._hot = hot
         self._ledger = ledger
         self._clock = clock
+        self._own = own
         self.catch_up_grace_ms = grace_ms
         self.stats = IndexStats()
+        self._seen: tuple[int, frozenset[int]] = (-2, frozenset())
+        """A ledger version and the buckets last found to have indexed it."""
 
-    def catch_up(self, buckets: Iterable[int] | None = None) -> int:
+    def catch_up(self, buckets: Iterable[int] | None = None, *, recheck: bool = False) -> int:
         """Bring the Redis index of ``buckets`` (default all) up to the ledger; return its version.
 
-        Steady state costs one cheap ledger version check and one Redis round trip.
-        Buckets behind the ledger first get ``catch_up_grace_ms`` for the writer of
-        the missing versions to index them itself.
+        Steady state costs one cheap ledger version check: buckets found caught
+        up with this very version before are not read again, since the claim
+        script checks their watermark itself. ``recheck`` reads them anyway (a
+        claim found one stale). Buckets behind the ledger first get
+        ``catch_up_grace_ms`` for the writer of the missing versions to index
+        them itself.
         """
         wanted = list(range(self._config.buckets)) if buckets is None else list(buckets)
         version = self._ledger.version()
+        seen_version, seen = self._seen
+        if not recheck and version == seen_version and seen.issuperset(wanted):
+            return version
         marks = self._hot.watermarks(wanted)
         if self.catch_up_grace_ms > 0 and any(
             mark is not None and mark < version for mark in marks.values()
@@ -84,6 +147,9 @@ class Indexer:
             self._rebuild(missing)
         if behind:
             self._load_missed(behind)
+        seen_version, seen = self._seen
+        known = seen if seen_version == version else frozenset()
+        self._seen = (version, known.union(wanted))
         return version
 
     def _wait_for_writers(
@@ -92,11 +158,14 @@ class Indexer:
         """Re-read lagging watermarks for up to the grace period; return the latest marks."""
         started = self._clock.now_ms()
         deadline = started + self.catch_up_grace_ms
-        pause = 0.005
+        pause = 0.002
         lagging = [b for b, mark in marks.items() if mark is not None and mark < version]
+        if self._own is not None and self._own.wait(version, self.catch_up_grace_ms / 1000):
+            marks.update(self._hot.watermarks(lagging))  # this process's own commit landed
+            lagging = [b for b in lagging if (mark := marks[b]) is not None and mark < version]
         while lagging and self._clock.now_ms() < deadline:
             self._clock.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, 0.02)
             marks.update(self._hot.watermarks(lagging))
             lagging = [b for b in lagging if (mark := marks[b]) is not None and mark < version]
         self.stats.writer_waits += 1

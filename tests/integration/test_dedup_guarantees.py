@@ -99,20 +99,44 @@ def test_flushall_between_batches_processes_no_completed_key_again(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
-    client.flushall()
-    dd = Dedup(_config(tmp_path, redis_server.url))
-    first = [f"ORDERID_{i}" for i in range(500)]
-    assert _process(dd, first, "q:0", 0) == first
-
+    dd = _completed_500(tmp_path, redis_server)
     client.flushall()
     rebuilt_before = dd.stats.rebuilt_buckets
 
-    second = [f"ORDERID_{i}" for i in range(250, 750)]
-    claim = dd.begin(second, owner="q:1")
-    assert claim.fresh_keys() == [f"ORDERID_{i}" for i in range(500, 750)]
-    assert claim.counts.duplicates_by_cause == {DuplicateCause.COMPLETED.value: 250}
+    _claim_half_completed_half_new(dd, "q:1")
     assert dd.stats.rebuilt_buckets - rebuilt_before == 8  # every bucket lost its watermark
     assert dd.stats.rebuilt_keys == 500  # from the ledger's window, not from the batch
+
+
+def _completed_500(tmp_path: Path, redis_server: RedisServer) -> Dedup:
+    """A Dedup on an empty Redis that has processed ORDERID_0..499."""
+    redis_server.client().flushall()
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    first = [f"ORDERID_{i}" for i in range(500)]
+    assert _process(dd, first, "q:0", 0) == first
+    return dd
+
+
+def _claim_half_completed_half_new(dd: Dedup, owner: str) -> None:
+    """ORDERID_250..749 after ORDERID_0..499 completed: only 500..749 are fresh."""
+    claim = dd.begin([f"ORDERID_{i}" for i in range(250, 750)], owner=owner)
+    assert claim.fresh_keys() == [f"ORDERID_{i}" for i in range(500, 750)]
+    assert claim.counts.duplicates_by_cause == {DuplicateCause.COMPLETED.value: 250}
+
+
+def test_flushall_while_the_ledger_stands_still_processes_no_completed_key_again(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    dd = _completed_500(tmp_path, redis_server)
+    # A claim at the ledger's current version: every bucket is found caught up, so the
+    # next claims at that version skip reading the watermarks...
+    looked = dd.begin([f"LOOK_{i}" for i in range(100)], owner="q:1")
+    dd.release(looked)
+    client.flushall()  # ...and Redis then loses them while the ledger does not move
+
+    _claim_half_completed_half_new(dd, "q:2")
+    assert dd.stats.rebuilt_keys == 500  # the claim found the buckets stale and rebuilt them
 
 
 # -- (c) writer commits the ledger and dies before updating Redis --------------------------
