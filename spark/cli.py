@@ -95,14 +95,9 @@ def _demo(args: argparse.Namespace) -> int:
 # -- idem run ----------------------------------------------------------------------------------
 
 
-def _run(args: argparse.Namespace) -> int:
-    if not Path(args.source).is_dir():
-        raise ConfigError(f"--source: directory {args.source} does not exist")
-    if not args.sink_delta and not args.sink_fn:
-        raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
-    config = _config(args)
-    client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
-    spec = RunSpec(
+def run_spec(args: argparse.Namespace) -> RunSpec:
+    """The :class:`RunSpec` of parsed ``idem run`` arguments."""
+    return RunSpec(
         source=args.source,
         key=args.key,
         sink_delta=args.sink_delta,
@@ -115,7 +110,18 @@ def _run(args: argparse.Namespace) -> int:
         topic=args.topic,
         msg_id_field=args.msg_id_field,
         timeout_seconds=args.timeout,
+        leases=True if args.leases else None,
     )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not Path(args.source).is_dir():
+        raise ConfigError(f"--source: directory {args.source} does not exist")
+    if not args.sink_delta and not args.sink_fn:
+        raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
+    config = _config(args)
+    client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
+    spec = run_spec(args)
     session = local_session(f"idem-run-{config.group}", conf=_spark_conf(args.spark_conf))
     pipeline = Pipeline(session, config, spec, client=client)
     try:
@@ -283,6 +289,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--available-now",
         action="store_true",
         help="process everything available (and the retries it causes), then exit",
+    )
+    run.add_argument(
+        "--leases",
+        action="store_true",
+        help="claims take leases in Redis even with only --sink-delta (needed when a "
+        "function sink or a consumer of another process writes the same group)",
     )
     run.add_argument("--schema", help="DDL of the rows (default: inferred, kept in the checkpoint)")
     run.add_argument("--max-files-per-trigger", type=int, help="files per micro-batch")

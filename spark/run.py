@@ -87,6 +87,9 @@ class RunSpec:
     idempotency_column: str = "idempotency_key"
     timeout_seconds: float | None = None
     """Stop after this long (continuous mode; ``None``: until interrupted)."""
+    leases: bool | None = None
+    """Whether claims take leases in Redis (``None``: only with a function sink; pass
+    ``True`` when another writer of the group runs a function sink or a consumer)."""
 
     def checkpoint_dir(self, config: IdemConfig) -> str:
         """The checkpoint directory (default ``<data_dir>/<group>/checkpoint``)."""
@@ -256,6 +259,7 @@ class Pipeline:
             idempotency_column=spec.idempotency_column if fn is not None else None,
             msg_id=spec.msg_id_field,
             crash_plan=crash_plan,
+            leases=spec.leases,
         )
         self.engine = RetryEngine(self.sink.config, client=self.client)
         self.stats = StatsStore(self.client, config.group, marker_ttl_ms=config.dedup_window_ms)

@@ -16,19 +16,22 @@ import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
-from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
+from spark_helpers import config_for, dead_letters, order, sink_key_counts, sink_rows, write_files
 
+from idem.cli import build_parser
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
+from idem.spark.cli import run_spec
 from idem.spark.decorator import ExactlyOnce, exactly_once, fingerprint_hash
 from idem.spark.delta_sink import delta_sink
 from idem.spark.faults import CrashPlan, CrashPoint, SimulatedCrash
 from idem.spark.ids import spark_hex
 from idem.spark.retry_source import retry_stream
 from idem.spark.rows import RowCodec
+from idem.spark.run import Pipeline, QueryFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -147,6 +150,31 @@ def test_the_delta_sink_takes_no_leases_and_another_query_is_not_held_up_by_a_cr
     with pytest.raises(SimulatedCrash):
         shared.process(_df(spark, "F"), 0)
     assert sink("q6").process(_df(spark, "F"), 0).busy == 1
+
+
+def test_idem_run_with_leases_holds_a_crashed_batchs_keys_against_a_function_sink(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    write_files(tmp_path / "in", [[order(1), order(2)]])
+    config = config_for(tmp_path, redis_server.url, "leasedrun")
+    args = build_parser().parse_args(
+        ["run", "--source", str(tmp_path / "in"), "--key", "order_id", "--group", "leasedrun",
+         "--sink-delta", str(tmp_path / "orders"), "--checkpoint", str(tmp_path / "cp"),
+         "--available-now", "--leases"]
+    )  # fmt: skip
+    pipeline = Pipeline(
+        spark, config, run_spec(args), client=real_redis,
+        crash_plan=CrashPlan(CrashPoint.AFTER_CLAIM, 0),
+    )  # fmt: skip
+    with pytest.raises(QueryFailed, match="simulated driver crash at after_claim"):
+        pipeline.run()
+    pipeline.close()
+    # The crashed run's leases still hold its keys: a function sink of the group waits.
+    recorder = Recorder()
+    other = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    other.query_id = "fn"
+    assert other.process(_df(spark, "ORDERID_1", "ORDERID_3"), 0).busy == 1
+    assert [r["order_id"] for r in recorder.rows] == ["ORDERID_3"]
 
 
 def test_a_function_sink_sees_a_replayed_batch_again_with_the_same_idempotency_keys(
