@@ -19,6 +19,7 @@ committed offset back until it is settled.
 from __future__ import annotations
 
 import bisect
+import heapq
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -47,7 +48,9 @@ class ProcessQueue:
         self._started: dict[int, int] = {}
         self._consuming: dict[int, MessageExt] = {}
         self._awaiting: dict[int, str] = {}
-        self._awaiting_offsets: list[int] = []
+        self._awaiting_heap: list[int] = []
+        """Offsets of awaiting messages, a min-heap; settled ones are dropped lazily when
+        they reach the top (settling thousands one by one must not shift a list each)."""
         self._size = 0
         self.queue_offset_max = -1
         self.dropped = False
@@ -91,7 +94,10 @@ class ProcessQueue:
     def first_offset(self) -> int | None:
         """The smallest offset in flight, awaiting ones included (``None``: none)."""
         with self._lock:
-            firsts = [o[0] for o in (self._offsets, self._awaiting_offsets) if o]
+            heap, awaiting = self._awaiting_heap, self._awaiting
+            while heap and heap[0] not in awaiting:
+                heapq.heappop(heap)
+            firsts = [o[0] for o in (self._offsets, heap) if o]
             return min(firsts) if firsts else None
 
     def _commit_offset(self) -> int:
@@ -157,8 +163,10 @@ class ProcessQueue:
         with self._lock:
             moved = self._uncache(messages)
             for message in moved:
-                self._awaiting[message.queue_offset] = message.msg_id
-                bisect.insort(self._awaiting_offsets, message.queue_offset)
+                offset = message.queue_offset
+                if offset not in self._awaiting:
+                    heapq.heappush(self._awaiting_heap, offset)
+                self._awaiting[offset] = message.msg_id
             return len(moved)
 
     def settle(self, messages: Iterable[MessageExt]) -> int:
@@ -175,8 +183,7 @@ class ProcessQueue:
         offset = message.queue_offset
         if self._awaiting.get(offset) != message.msg_id:
             return False
-        del self._awaiting[offset]
-        del self._awaiting_offsets[bisect.bisect_left(self._awaiting_offsets, offset)]
+        del self._awaiting[offset]  # its heap entry goes when it reaches the top
         return True
 
     def restore(self, messages: Iterable[MessageExt]) -> list[MessageExt]:
@@ -308,7 +315,7 @@ class ProcessQueue:
             self._started.clear()
             self._consuming.clear()
             self._awaiting.clear()
-            self._awaiting_offsets.clear()
+            self._awaiting_heap.clear()
             self._size = 0
 
     def __repr__(self) -> str:

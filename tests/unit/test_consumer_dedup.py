@@ -9,6 +9,7 @@ commit is durable; a failed group commit gives the messages back.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -259,3 +260,44 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
     assert part.fresh == (0, 1)
     assert part.retaken == (1,)
     assert part.busy == ()
+
+
+def test_the_committed_offset_never_passes_an_unfinished_message_whatever_settles_first() -> None:
+    """Random consume / defer / settle / restore against a model: the offset to commit is
+    always the smallest offset cached or awaiting, or the largest put + 1."""
+    rng = random.Random(5)
+    pq = ProcessQueue(MessageQueue("orders", 0))
+    messages = [MessageExt(topic="orders", msg_id=f"M{i}", queue_offset=i) for i in range(3000)]
+    cached: set[int] = set()
+    awaiting: set[int] = set()
+    put = 0
+    for _ in range(4000):
+        step = rng.random()
+        if step < 0.3 and put < len(messages):
+            batch = messages[put : put + rng.randint(1, 40)]
+            pq.put_messages(batch)
+            cached.update(m.queue_offset for m in batch)
+            put += len(batch)
+        elif step < 0.55 and cached:
+            chosen = rng.sample(sorted(cached), min(len(cached), rng.randint(1, 30)))
+            assert pq.defer([messages[o] for o in chosen]) == len(chosen)
+            cached.difference_update(chosen)
+            awaiting.update(chosen)
+        elif step < 0.85 and awaiting:
+            chosen = rng.sample(sorted(awaiting), min(len(awaiting), rng.randint(1, 50)))
+            pq.settle([messages[o] for o in chosen])
+            awaiting.difference_update(chosen)
+        elif step < 0.9 and awaiting:  # a failed commit: back to the cache, consumed again
+            chosen = rng.sample(sorted(awaiting), 1)
+            assert pq.restore([messages[o] for o in chosen]) == [messages[chosen[0]]]
+            awaiting.difference_update(chosen)
+            cached.update(chosen)
+        elif cached:
+            chosen = rng.sample(sorted(cached), min(len(cached), rng.randint(1, 20)))
+            pq.remove_messages([messages[o] for o in chosen])
+            cached.difference_update(chosen)
+        live = cached | awaiting
+        assert pq.first_offset() == (min(live) if live else None)
+        assert pq.awaiting_count == len(awaiting)
+    assert put > 1000  # the walk went far
+    assert pq.awaiting_count + pq.msg_count == len(cached | awaiting)
