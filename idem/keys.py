@@ -71,6 +71,12 @@ def fingerprint(payload: bytes | str | None) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def fingerprints(payloads: Iterable[bytes]) -> list[str]:
+    """:func:`fingerprint` of each of many bytes payloads."""
+    blake2b = hashlib.blake2b
+    return [blake2b(data, digest_size=16).hexdigest() for data in payloads]
+
+
 def invert(grouped: Mapping[int, list[str]]) -> dict[str, int]:
     """``{key: bucket}`` from a bucket grouping."""
     return {key: bucket for bucket, keys in grouped.items() for key in keys}

@@ -46,12 +46,13 @@ import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey
-from idem.keys import fingerprint, validate_key
+from idem.keys import fingerprints, validate_key
 from idem.outcome import BatchClaim
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.group_claim import GroupClaimer
@@ -197,6 +198,7 @@ class DedupMiddleware:
         self.key_source = key
         self.field = key if isinstance(key, str) else getattr(key, "__name__", "key")
         self._key_of = key_getter(key)
+        self._attribute = attrgetter(key) if key in ("keys", "tags", "msg_id") else None
         self.owner = owner or f"consumer-{uuid.uuid4().hex}"
         self.busy_delay_level = busy_delay_level
         lock_client = client if client is not None else getattr(dedup.hot, "client", None)
@@ -215,6 +217,8 @@ class DedupMiddleware:
         self._inflight: set[str] = set()
 
     def _raw_keys(self, messages: Sequence[MessageExt]) -> list[object]:
+        if self._attribute is not None:  # reading an attribute cannot fail
+            return list(map(self._attribute, messages))
         out: list[object] = []
         for message in messages:
             try:
@@ -223,51 +227,64 @@ class DedupMiddleware:
                 out.append(None)  # undecodable body: reported as a null key
         return out
 
-    def _reserve(
-        self, raw: Sequence[object], order: Sequence[int]
-    ) -> tuple[list[str | None], set[str], list[str]]:
-        """Validate and reserve the keys in this instance.
-
-        Returns each message's key (``None``: invalid), the keys another call of this
-        instance holds, and the keys reserved for this call.
-        """
+    def _validated(self, raw: Sequence[object]) -> list[str | None]:
+        """Each message's key (``None``: invalid; the claim reports why)."""
         limit = self.dedup.config.max_key_bytes
-        keys: list[str | None] = [None] * len(raw)
+        short = limit // 4  # a str of at most this many characters fits any encoding
+        keys: list[str | None] = []
+        for value in raw:
+            if type(value) is str and 0 < len(value) <= short and not value.isspace():
+                keys.append(value)  # the common case, inline
+                continue
+            try:
+                keys.append(validate_key(value, field=self.field, max_bytes=limit))
+            except InvalidKey:
+                keys.append(None)
+        return keys
+
+    def _reserve(
+        self, keys: Sequence[str | None], order: Sequence[int]
+    ) -> tuple[set[str], list[str]]:
+        """Reserve the keys in this instance: returns the keys another call of this
+        instance holds, and the keys reserved for this call."""
         held: set[str] = set()
         reserved: dict[str, None] = {}  # insertion-ordered set
+        inflight = self._inflight
         with self._lock:
             for i in order:
-                try:
-                    key = validate_key(raw[i], field=self.field, max_bytes=limit)
-                except InvalidKey:
+                key = keys[i]
+                if key is None or key in held or key in reserved:
                     continue
-                keys[i] = key
-                if key in held or key in reserved:
-                    continue
-                if key in self._inflight:
+                if key in inflight:
                     held.add(key)
                 else:
-                    self._inflight.add(key)
+                    inflight.add(key)
                     reserved[key] = None
-        return keys, held, list(reserved)
+        return held, list(reserved)
 
     def __call__(
         self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
     ) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
         size = len(messages)
-        order = sorted(range(size), key=lambda i: precedence(messages[i]))
+        order = sorted(range(size), key=list(map(precedence, messages)).__getitem__)
         raw = self._raw_keys(messages)
-        keys, held, reserved = self._reserve(raw, order)
+        keys = self._validated(raw)
+        held, reserved = self._reserve(keys, order)
         kept: set[str] = set()  # reserved until their group commit resolves
         try:
             result, here = self._split_held(keys, held)
-            position = {i: k for k, i in enumerate(here)}
+            if len(here) == size:  # the usual case: no key held by another call
+                claim_keys, claim_order = raw, order
+            else:
+                position = {i: k for k, i in enumerate(here)}
+                claim_keys = [raw[i] for i in here]
+                claim_order = [position[i] for i in order if i in position]
             try:
                 claim = self.claimer.claim(
-                    [raw[i] for i in here],
-                    fingerprints=[fingerprint(messages[i].body) for i in here],
-                    order=[position[i] for i in order if i in position],
+                    claim_keys,
+                    fingerprints=fingerprints([messages[i].body for i in here]),
+                    order=claim_order,
                 )
             except Exception as exc:
                 log.warning("dedup claim failed; the batch will be retried", exc_info=True)
@@ -296,6 +313,8 @@ class DedupMiddleware:
     ) -> tuple[BatchResult, list[int]]:
         """Messages whose key another call of this instance holds are busy; the rest go on."""
         result = BatchResult(len(keys))
+        if not held:
+            return result, list(range(len(keys)))
         here: list[int] = []
         for i, key in enumerate(keys):
             if key is not None and key in held:
@@ -315,11 +334,10 @@ class DedupMiddleware:
         result: BatchResult,
     ) -> None:
         """Duplicates are acknowledged, busy keys sent back, bad keys dead-lettered."""
-        size = len(messages)
-        records: list[DuplicateRecord] = []
-        for i in range(size):
-            if i in result.failed:
-                records.append(DuplicateRecord.of(str(raw[i]), BUSY, messages[i], scope.client_id))
+        records = [  # held by another call of this instance
+            DuplicateRecord.of(str(raw[i]), BUSY, messages[i], scope.client_id)
+            for i in sorted(result.failed)
+        ]
         dead_mismatch = self.dedup.config.mismatch_policy is MismatchPolicy.DEAD_LETTER
         for k, cause in claim.duplicates.items():
             i = here[k]
