@@ -184,6 +184,7 @@ class Dedup:
         rows = self._ledger_rows(
             claim,
             indices=indices,
+            every_row=succeeded is None and len(indices) == len(claim.keys),
             keys=keys,
             buckets=buckets,
             batch_id=batch_id,
@@ -388,6 +389,7 @@ class Dedup:
         claim: BatchClaim,
         *,
         indices: Sequence[int],
+        every_row: bool,
         keys: Sequence[str],
         buckets: Sequence[int],
         batch_id: int,
@@ -395,6 +397,8 @@ class Dedup:
         meta: pa.Table | None,
         results: Mapping[int, str] | None,
     ) -> pa.Table:
+        """The ledger rows of the succeeded ``indices`` (``every_row``: they are every row
+        of the batch, in order, so the batch-aligned ``meta`` needs no take)."""
         size = len(indices)
         at = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
 
@@ -403,8 +407,7 @@ class Dedup:
                 return repeat_text(value, size)
             return pa.repeat(pa.scalar(value, kind), size)
 
-        # Every row of the batch succeeded, in order (a group commit): no take needed.
-        whole = meta is not None and meta.num_rows == size == len(claim.keys) == len(claim.fresh)
+        whole = every_row and meta is not None and meta.num_rows == size
         taken = pa.array(indices, pa.int64()) if meta is not None and not whole else None
 
         def meta_column(name: str, kind: pa.DataType) -> pa.Array:

@@ -96,6 +96,31 @@ def test_metadata_and_payload_columns_land_in_the_ledger(
     assert table.column("queue_offset").to_pylist() == [5, 6]
     assert table.column("batch_id").to_pylist() == [3, 3]
     assert table.column("owner").to_pylist() == ["q:0", "q:0"]
+    assert table.column("group").to_pylist() == [dd.config.group] * 2
+
+
+def test_metadata_follows_its_rows_when_only_some_rows_land_in_the_ledger(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    meta = pa.table({"msg_id": ["m1", "m2", "m3"]})
+    some = dd.begin(["A", "B", "C"], owner="q:0")
+    dd.complete(some, succeeded=[2, 0], batch_id=0, meta=meta)  # B failed
+    repeated = dd.begin(["D", "D", "E"], owner="q:0")  # the second D is an in-batch duplicate
+    dd.complete(repeated, batch_id=1, meta=meta)
+    every = dd.begin(["F", "G", "H"], owner="q:0")
+    dd.complete(every, succeeded=[1, 2, 0], batch_id=2, meta=meta)  # all, in another order
+    query = QueryBuilder().register("ledger", DeltaTable(dd.config.resolved_ledger_path))
+    table = pa.table(query.execute("SELECT key, msg_id FROM ledger ORDER BY key").read_all())
+    assert table.to_pylist() == [
+        {"key": "A", "msg_id": "m1"},
+        {"key": "C", "msg_id": "m3"},
+        {"key": "D", "msg_id": "m1"},
+        {"key": "E", "msg_id": "m3"},
+        {"key": "F", "msg_id": "m1"},
+        {"key": "G", "msg_id": "m2"},
+        {"key": "H", "msg_id": "m3"},
+    ]
 
 
 def test_every_committed_key_lands_in_its_own_bucket(
