@@ -95,15 +95,16 @@ class RedisServer:
         """Start the server and wait until it answers PING."""
         if self._proc is not None and self._proc.poll() is None:
             return self
-        self._proc = subprocess.Popen(
-            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        # stderr to a file: a pipe nobody reads would block the server once it filled up
+        errors = self.directory / "redis.stderr"
+        with errors.open("wb") as sink:
+            self._proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=sink)
         deadline = time.monotonic() + timeout
         probe = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
         try:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
-                    err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                    err = errors.read_text(errors="replace")
                     log = self.directory / "redis.log"
                     detail = log.read_text() if log.exists() else err
                     raise StoreUnavailable(f"redis-server exited at start: {detail[-2000:]}")
@@ -122,8 +123,6 @@ class RedisServer:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
             self._proc.wait(timeout=10)
-            if self._proc.stderr:
-                self._proc.stderr.close()
             self._proc = None
 
     def stop(self) -> None:

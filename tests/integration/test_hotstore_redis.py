@@ -172,3 +172,11 @@ def test_an_empty_restart_makes_every_bucket_stale() -> None:
         assert result.stale_buckets == {0}
         assert result.claimed == []
         client.close()
+
+
+def test_a_server_that_cannot_start_says_why() -> None:
+    server = RedisServer(extra={"no-such-directive": "1"})
+    with pytest.raises(StoreUnavailable, match="no-such-directive"):
+        server.start()
+    assert not server.running
+    server.stop()
