@@ -443,11 +443,15 @@ class DedupMiddleware:
                 self._release(claim, done_k)
                 return
             slipped = set(item.outcome.slipped)
-            records = [
-                DuplicateRecord.of(key, "slipped", message, "")
-                for key, message in zip(item.keys, item.messages, strict=True)
-                if key in slipped
-            ]
+            records = (
+                [
+                    DuplicateRecord.of(key, "slipped", message, "")
+                    for key, message in zip(item.keys, item.messages, strict=True)
+                    if key in slipped
+                ]
+                if slipped
+                else []
+            )
             self.stats.add(records, completed=len(item.keys), slipped=len(records))
         finally:
             self._unreserve(item.keys)
