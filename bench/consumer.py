@@ -15,7 +15,8 @@ consume-timeout detection lateness beside RocketMQ's scan model.
    keep a run long enough for a stable ratio: with 50k, a handful of ledger
    commits decide it (ratios of 0.35-0.73 from one build). ``--commit-interval-ms`` and
    ``--no-commit-lock`` tune the group commit; ``IDEM_BENCH_SAMPLE=1`` writes
-   per-step timings and stack samples of each worker next to its sink file,
+   per-step timings, CPU per thread, time in the cyclic GC and stack samples of
+   each worker next to its sink file,
    ``IDEM_BENCH_PROFILE=<prefix>`` a cProfile of every thread of instance 0.
 2. Consume timeout: stuck messages arrive at random moments; how late after its
    deadline the watchdog found each one (p50 / p99 / max), beside RocketMQ's
@@ -160,10 +161,11 @@ def worker(spec: dict[str, Any]) -> None:
     consumer.start()
     while not client.exists(spec["stop"]):
         time.sleep(0.1)
+    threads = _thread_cpu() if sampler is not None else []  # before the threads end
     consumer.shutdown()
     if sampler is not None:
         times = os.times()
-        extra = [f"cpu: user {times.user:.1f}s system {times.system:.1f}s"]
+        extra = [f"cpu: user {times.user:.1f}s system {times.system:.1f}s", *threads]
         if middleware is not None:
             extra += [
                 f"index: {middleware.dedup.stats}",
@@ -206,16 +208,50 @@ class _ThreadProfiler:
         stats.dump_stats(path)
 
 
+def _thread_cpu() -> list[str]:
+    """CPU seconds of this process's threads by name (numbers stripped), from /proc (Linux)."""
+    import collections
+    import re
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    used: collections.Counter[str] = collections.Counter()
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        name = re.sub(r"[-_]?[0-9a-f]*\d[0-9a-f]*$", "", names.get(int(task.name), "(native)"))
+        used[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return [f"thread cpu {seconds:6.2f}s {name}" for name, seconds in used.most_common(8)]
+
+
 class _Sampler:
-    """Where the threads of a worker spend their time (IDEM_BENCH_SAMPLE=1)."""
+    """Where the threads of a worker spend their time, and the cyclic GC (IDEM_BENCH_SAMPLE=1)."""
 
     def __init__(self) -> None:
         import collections
+        import gc
         import sys
         import traceback
 
         self.counts: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
+        self.gc = {generation: [0, 0.0] for generation in range(3)}  # collections, seconds
+        started = [0.0]
+
+        def collected(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.thread_time()
+            else:
+                self.gc[info["generation"]][0] += 1
+                self.gc[info["generation"]][1] += time.thread_time() - started[0]
+
+        gc.callbacks.append(collected)
 
         def run() -> None:
             me = threading.get_ident()
@@ -275,6 +311,10 @@ class _Sampler:
             f"wall={sum(w for w, _ in v):.2f}s thread-cpu={sum(c for _, c in v):.2f}s"
             for k, v in self.times.items()
             if v
+        ]
+        lines += [
+            f"gc generation {g}: {n} collections, {seconds:.2f}s"
+            for g, (n, seconds) in self.gc.items()
         ]
         lines += [f"{n} {k}" for k, n in self.counts.most_common(30)]
         path.write_text("\n".join(lines))
