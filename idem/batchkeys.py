@@ -48,7 +48,7 @@ class BatchKeys:
         grouped: dict[int, list[str]] = {}
         for i in rows:
             value = keys[i]
-            # The common case, inline: a non-blank str that fits the limit however encoded.
+            # The common case, inline (as keys.valid_keys): a non-blank str that fits the limit.
             if type(value) is str and 0 < len(value) <= short and not value.isspace():
                 key = value
             else:

@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 
-import numpy as np
 import pyarrow as pa
 import redis
 
+from idem.arrow_text import repeat_text
 from idem.claiming import PendingClaim
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import DedupMode, IdemConfig
@@ -32,16 +32,6 @@ from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
 
 log = logging.getLogger(__name__)
-
-
-def repeat_text(value: str, size: int) -> pa.Array:
-    """``value`` ``size`` times as a string array, built from its buffers
-    (``pa.repeat`` of a string scalar copies it one row at a time, ~40x slower)."""
-    data = value.encode("utf-8")
-    if len(data) * size >= 2**31:
-        return pa.repeat(pa.scalar(value, pa.string()), size)
-    offsets = np.arange(size + 1, dtype=np.int32) * np.int32(len(data))
-    return pa.StringArray.from_buffers(size, pa.py_buffer(offsets), pa.py_buffer(data * size))
 
 
 class Dedup:
@@ -229,22 +219,12 @@ class Dedup:
         version = result.version if result.version is not None else -2
         fenced: list[str] = []
         if defer_index:
+            # No OwnCommits entry: every catch-up of this object settles this update first.
             self.settle()
-
-            def index_in_background() -> CompleteResult:
-                try:
-                    return self._index_completed(
-                        claim, indices, keys, buckets, version=version, completed_at_ms=now
-                    )
-                finally:
-                    self._own.done(version)
-
-            self._own.add(version)
-            try:
-                self._indexing = self._indexer().submit(index_in_background)
-            except BaseException:
-                self._own.done(version)
-                raise
+            self._indexing = self._indexer().submit(
+                self._index_completed, claim, indices, keys, buckets, version=version,
+                completed_at_ms=now,
+            )  # fmt: skip
         else:
             with self._own.indexing(version):
                 done = self._index_completed(

@@ -69,24 +69,16 @@ class OwnCommits:
     @contextmanager
     def indexing(self, version: int) -> Iterator[None]:
         """Around the Redis update that indexes this process's commit ``version``."""
-        self.add(version)
+        with self._cond:
+            self._versions[version] += 1
         try:
             yield
         finally:
-            self.done(version)
-
-    def add(self, version: int) -> None:
-        """``version`` is being indexed (pair with :meth:`done`)."""
-        with self._cond:
-            self._versions[version] += 1
-
-    def done(self, version: int) -> None:
-        """The indexing of ``version`` ended (landed or failed)."""
-        with self._cond:
-            self._versions[version] -= 1
-            if self._versions[version] <= 0:
-                del self._versions[version]
-            self._cond.notify_all()
+            with self._cond:
+                self._versions[version] -= 1
+                if self._versions[version] <= 0:
+                    del self._versions[version]
+                self._cond.notify_all()
 
     def wait(self, up_to: int, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no version ``<= up_to`` is being indexed; return

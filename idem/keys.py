@@ -50,6 +50,28 @@ def validate_key(value: object, *, field: str = "key", max_bytes: int = 512) -> 
     return value
 
 
+def valid_keys(
+    values: Iterable[object], *, field: str = "key", max_bytes: int = 512
+) -> list[str | None]:
+    """:func:`validate_key` of each value, ``None`` where it is invalid.
+
+    The common case (a non-blank ``str`` short enough to fit ``max_bytes`` however
+    it is encoded) is decided inline; :class:`~idem.batchkeys.BatchKeys` inlines the
+    same test in its own loop, which also needs the reasons.
+    """
+    short = max_bytes // 4
+    keys: list[str | None] = []
+    for value in values:
+        if type(value) is str and 0 < len(value) <= short and not value.isspace():
+            keys.append(value)
+            continue
+        try:
+            keys.append(validate_key(value, field=field, max_bytes=max_bytes))
+        except InvalidKey:
+            keys.append(None)
+    return keys
+
+
 def bucket_of(key: str, buckets: int) -> int:
     """The bucket of ``key``: CRC-32 of its UTF-8 bytes modulo ``buckets`` (stable everywhere)."""
     return zlib.crc32(key.encode("utf-8", "surrogatepass")) % buckets

@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from idem.arrow_text import fixed_width_strings
+
 _DIGITS = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
 _WORDS = np.arange(1 << 16)
 _WORD_DIGITS: np.ndarray = (
@@ -78,8 +80,4 @@ def _hex_bytes(values: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
 def _strings(rows: np.ndarray) -> pa.Array:
     """An Arrow string array of the rows of an ``n x width`` ASCII byte matrix."""
     n, width = rows.shape
-    offsets = np.arange(0, width * (n + 1), width, dtype=np.int32)
-    data = np.ascontiguousarray(rows).tobytes()
-    return pa.Array.from_buffers(
-        pa.string(), n, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)]
-    )
+    return fixed_width_strings(np.ascontiguousarray(rows).tobytes(), n, width)

@@ -51,8 +51,8 @@ from typing import Any
 
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
-from idem.errors import ConfigError, InvalidKey
-from idem.keys import fingerprints, validate_key
+from idem.errors import ConfigError
+from idem.keys import fingerprints, valid_keys
 from idem.outcome import BatchClaim
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.group_claim import GroupClaimer
@@ -227,21 +227,6 @@ class DedupMiddleware:
                 out.append(None)  # undecodable body: reported as a null key
         return out
 
-    def _validated(self, raw: Sequence[object]) -> list[str | None]:
-        """Each message's key (``None``: invalid; the claim reports why)."""
-        limit = self.dedup.config.max_key_bytes
-        short = limit // 4  # a str of at most this many characters fits any encoding
-        keys: list[str | None] = []
-        for value in raw:
-            if type(value) is str and 0 < len(value) <= short and not value.isspace():
-                keys.append(value)  # the common case, inline
-                continue
-            try:
-                keys.append(validate_key(value, field=self.field, max_bytes=limit))
-            except InvalidKey:
-                keys.append(None)
-        return keys
-
     def _reserve(
         self, keys: Sequence[str | None], order: Sequence[int]
     ) -> tuple[set[str], list[str]]:
@@ -269,7 +254,7 @@ class DedupMiddleware:
         size = len(messages)
         order = sorted(range(size), key=list(map(precedence, messages)).__getitem__)
         raw = self._raw_keys(messages)
-        keys = self._validated(raw)
+        keys = valid_keys(raw, field=self.field, max_bytes=self.dedup.config.max_key_bytes)
         held, reserved = self._reserve(keys, order)
         kept: set[str] = set()  # reserved until their group commit resolves
         try:
