@@ -55,6 +55,7 @@ class PendingClaim:
             keys, field=field, max_bytes=config.max_key_bytes, buckets=config.buckets
         )
         self.version: int | None = None  # every claimed key's bucket had reached it
+        self.claimed_at_ms = dedup.clock.now_ms()
         self._calls: ClaimInFlight | None = None
         try:
             if len(order) > CLAIM_WAVE_ROWS:
@@ -127,6 +128,7 @@ class PendingClaim:
             reclaimed=tuple(sorted(map(row, reclaimed))),
             buckets=tuple(batch.buckets),
             held=self.hold,
+            claimed_at_ms=self.claimed_at_ms,
         )
         if claim.mismatched and self.dedup.config.mismatch_policy is MismatchPolicy.WARN:
             log.warning(

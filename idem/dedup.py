@@ -191,17 +191,19 @@ class Dedup:
                 rows = rows.append_column(payload.schema.field(name), payload.column(name))
         strict = self.config.mode is DedupMode.STRICT
         # When the commit cannot check the versions since the claim one by one, it MERGEs
-        # on the rows completed within a horizon. A lease kept every other writer off the
-        # key since the claim, so twice the lease covers a copy committed meanwhile; a
-        # claim without leases covers nothing, so it matches the whole dedup window.
+        # on the rows completed within a horizon before the claim. A lease kept every
+        # other writer off the key since the claim, so twice the lease covers a copy
+        # stamped before the claim that landed after it (and every copy stamped since);
+        # a claim without leases covers nothing, so it matches the whole dedup window.
         leased = claim.held and not strict
         window = 2 * self.config.lease_ms if leased else self.config.dedup_window_ms
+        claimed_at = now if claim.claimed_at_ms is None else min(now, claim.claimed_at_ms)
         app = app_id or f"idem:{self.config.group}:{claim.owner}"
         result = self.ledger.commit(
             rows,
             app_id=app,
             txn_version=batch_id,
-            match_since_ms=now - window,
+            match_since_ms=claimed_at - window,
             match_after_version=None if strict else claim.ledger_version,
         )
         if result.replayed:

@@ -78,6 +78,10 @@ class BatchClaim:
     held: bool = True
     """Whether the claim took leases on its fresh keys (``False``: a lookup for a sink
     whose write is the ledger commit; see :meth:`idem.dedup.Dedup.begin`)."""
+    claimed_at_ms: int | None = None
+    """When the claim was made (the claimer's clock; ``None``: unknown, the commit's
+    time is used). A commit that must MERGE matches the rows completed from a horizon
+    before this moment, however long the batch took since."""
 
     @property
     def counts(self) -> BatchCounts:

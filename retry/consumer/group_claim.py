@@ -62,6 +62,7 @@ def slice_claim(claim: BatchClaim, start: int, size: int) -> BatchClaim:
         },
         buckets=claim.buckets[start:end],
         held=claim.held,
+        claimed_at_ms=claim.claimed_at_ms,
     )
 
 

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -78,6 +78,8 @@ class CommitItem:
     """The claim's ``ledger_version``: the commit checks only the versions after it."""
     buckets: list[int] | None = None
     """The bucket of each key, when the claim computed them."""
+    claimed_at_ms: int | None = None
+    """When the keys were claimed (``BatchClaim.claimed_at_ms``)."""
     deferred: Deferred = field(default_factory=Deferred)
     outcome: CommitOutcome | None = None
     """Set (before :attr:`deferred` resolves) when the commit succeeded."""
@@ -244,6 +246,7 @@ class GroupCommitter:
             invalid=(),
             ledger_version=min(item.ledger_version for item in batch),
             buckets=buckets,
+            claimed_at_ms=_earliest(item.claimed_at_ms for item in batch),
         )
         meta = pa.table(
             {
@@ -311,3 +314,13 @@ class GroupCommitter:
         if self.client is not None and self._unlock is not None:
             with contextlib.suppress(*REDIS_TRANSIENT):
                 self._unlock(keys=[self.lock_key], args=[self.owner])
+
+
+def _earliest(times: Iterable[int | None]) -> int | None:
+    """The earliest claim time (``None`` when any is unknown: the commit's time is used)."""
+    earliest: int | None = None
+    for at in times:
+        if at is None:
+            return None
+        earliest = at if earliest is None else min(earliest, at)
+    return earliest

@@ -397,6 +397,7 @@ class DedupMiddleware:
             messages=[messages[here[k]] for k in done_k],
             ledger_version=claim.ledger_version,
             buckets=[claim.buckets[k] for k in done_k] if claim.buckets else None,
+            claimed_at_ms=claim.claimed_at_ms,
         )
         try:
             deferred = self.committer.submit(item)

@@ -566,3 +566,28 @@ def test_a_claim_given_up_after_its_calls_went_out_leaves_no_key_held(
     assert len(other.fresh) == len(keys)
     assert not other.busy
     assert dd.complete(other, batch_id=1, app_id="other").committed == len(keys)
+
+
+def test_a_leased_commit_that_must_merge_finds_a_copy_landed_after_its_claim_however_slow(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    # w0 claims K and stalls past its lease; w1 takes K over and is slow too: it commits
+    # 16 minutes and 70 versions later. Meanwhile w0 woke up and committed K (its Redis
+    # completion is fenced by w1's lease, its ledger row lands). w1's commit must MERGE
+    # back to its own claim, not to "now minus two leases", or K lands twice.
+    config = _config(tmp_path, redis_server.url)
+    w0, w1, w2 = Dedup(config), Dedup(config), Dedup(config)
+    stalled = w0.begin(["K"], owner="w0:1")
+    assert stalled.fresh == (0,)
+    taken_at = config.lease_ms + 60_000
+    w1.clock = w1.hot.clock = _Later(w1.clock, taken_at)  # type: ignore[attr-defined]
+    taken = w1.begin(["K"], owner="w1:1")
+    assert taken.reclaimed == (0,)
+    w0.clock = _Later(w0.clock, taken_at + 30_000)
+    assert w0.complete(stalled, batch_id=1, app_id="w0").committed == 1
+    for batch_id in range(1, 71):
+        _process(w2, [f"X{batch_id}"], owner=f"w2:{batch_id}", batch_id=batch_id)
+    w1.clock = _Later(w1.clock, 16 * 60_000)
+    done = w1.complete(taken, batch_id=1, app_id="w1")
+    assert (done.committed, done.slipped) == (0, ("K",))
+    assert w1.ledger.audit() == []

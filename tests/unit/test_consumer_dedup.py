@@ -239,6 +239,7 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         "stored_fingerprints",
         "buckets",
         "held",
+        "claimed_at_ms",
     }
     assert {f.name for f in dataclasses.fields(BatchClaim)} == known
     claim = BatchClaim(
@@ -252,9 +253,11 @@ def test_slicing_a_shared_claim_covers_every_field() -> None:
         retaken=(3,),
         buckets=(5, -1, 7, 1),
         held=False,
+        claimed_at_ms=1234,
     )
     part = slice_claim(claim, 2, 2)
     assert part.held is False
+    assert part.claimed_at_ms == 1234
     assert part.keys == ("c", "d")
     assert part.buckets == (7, 1)
     assert part.fresh == (0, 1)
