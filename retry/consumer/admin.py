@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, cast
 
 from idem.redis_cluster import RedisClient
-from idem.retry.consumer.offset_store import RemoteOffsetStore
+from idem.retry.consumer.offset_store import (
+    RemoteOffsetStore,
+    offsets_key,
+    offsets_script,
+    reset_epoch_key,
+    reset_marks_key,
+)
 from idem.retry.consumer.push_consumer import RESET_NOTICE
 from idem.retry.consumer.rebalance import Membership
 from idem.retry.consumer.topics import MessageQueue, TopicStore
@@ -44,12 +49,20 @@ def reset_offsets(
     *,
     offset_client: RedisClient | None = None,
 ) -> dict[MessageQueue, int]:
-    """Set ``group``'s offsets of some queues and tell its running instances."""
-    store = RemoteOffsetStore(offset_client or client, group)
-    if offsets:
-        values: dict[str | bytes, int] = {str(mq): o for mq, o in offsets.items()}
-        store.client.hset(store.key, mapping=cast(Any, values))
-    notice = json.dumps({str(mq): o for mq, o in offsets.items()})
+    """Set ``group``'s offsets of some queues and tell its running instances.
+
+    Each queue is marked with the reset's epoch: an instance that misses the
+    notice learns of the reset at its next offset persist instead of writing its
+    old offset back (:mod:`~idem.retry.consumer.offset_store`).
+    """
+    if not offsets:
+        return offsets
+    store_client = offset_client or client
+    script = offsets_script(store_client, "reset_offsets.lua")
+    pairs = [part for mq, offset in offsets.items() for part in (str(mq), offset)]
+    keys = [offsets_key(group), reset_marks_key(group), reset_epoch_key(group)]
+    epoch = int(script(keys=keys, args=pairs, client=store_client))
+    notice = json.dumps({"epoch": epoch, "offsets": {str(mq): o for mq, o in offsets.items()}})
     Membership(client, group, "admin", expire_ms=1).publish(RESET_NOTICE + notice)
     return offsets
 

@@ -69,12 +69,15 @@ class Deferred:
     Until it resolves, the consumer keeps the messages' offsets back and does not
     acknowledge them; it resolves with ``None`` (done) or the :class:`Failure`
     every one of its messages then gets. Callbacks run once, in the resolving
-    thread (at once when added after the resolution).
+    thread (at once when added after the resolution); :meth:`wait` returns once
+    the callbacks added before the resolution have run (e.g. the dedup hook gave
+    a failed commit's keys back).
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._resolved = False
+        self._settled = False  # resolved, and the callbacks of that moment have run
         self._failure: Failure | None = None
         self._callbacks: list[Callable[[Failure | None], None]] = []
 
@@ -91,9 +94,13 @@ class Deferred:
                 return
             self._resolved, self._failure = True, failure
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
-        for callback in callbacks:
-            _run_callback(callback, failure)
+        try:
+            for callback in callbacks:
+                _run_callback(callback, failure)
+        finally:
+            with self._cond:
+                self._settled = True
+                self._cond.notify_all()
 
     def on_resolved(self, callback: Callable[[Failure | None], None]) -> None:
         """Call ``callback(failure)`` when resolved (now, if it already is)."""
@@ -105,9 +112,10 @@ class Deferred:
         _run_callback(callback, failure)
 
     def wait(self, timeout: float | None = None) -> Failure | None:
-        """Block until resolved; return its failure (``None``: done). Raises ``TimeoutError``."""
+        """Block until resolved and its callbacks have run; return its failure (``None``:
+        done). Raises ``TimeoutError``."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._resolved, timeout):
+            if not self._cond.wait_for(lambda: self._settled, timeout):
                 raise TimeoutError("deferred acknowledgement not resolved in time")
             return self._failure
 

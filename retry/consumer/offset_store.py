@@ -10,6 +10,12 @@ after it are delivered again (case C3); a store that loses its last writes
 The remote store is one hash per group, ``rmq:offset:{<group>}``, field
 ``<topic>:<queue id>`` -> offset; it may live on its own Redis (``client=``),
 as RocketMQ's offsets live in the broker's ``consumerOffset.json``.
+
+An operator's reset (:func:`idem.retry.consumer.admin.reset_offsets`) also marks
+each queue it moves with a new epoch (``rmq:offset-reset:{<group>}``), and the
+instances' persists are conditional on it: an instance that missed the reset's
+notice (its pub/sub connection was down) is refused the write of its old offset
+and handed the reset instead. RocketMQ's client would overwrite the reset then.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import os
 import threading
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.topics import MessageQueue
@@ -40,6 +47,13 @@ class ReadOffsetType(StrEnum):
     MEMORY_FIRST_THEN_STORE = "MEMORY_FIRST_THEN_STORE"
 
 
+class MissedReset(NamedTuple):
+    """An operator's reset of a queue that this instance has not applied."""
+
+    epoch: int
+    offset: int
+
+
 class OffsetStore(Protocol):
     """What a consumer needs from an offset store."""
 
@@ -55,8 +69,19 @@ class OffsetStore(Protocol):
         """The offset of ``mq``; ``-1`` when there is none."""
         ...
 
-    def persist_all(self, mqs: Iterable[MessageQueue]) -> None:
-        """Write the in-memory offsets of ``mqs`` out."""
+    def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
+        """Write the in-memory offsets of ``mqs`` out; returns the queues not written
+        because an operator reset them and this instance has not applied that yet."""
+        ...
+
+    def reset_epoch(self, mq: MessageQueue) -> int:
+        """The newest operator reset of ``mq`` this instance has applied (0: none)."""
+        ...
+
+    def apply_reset(self, mq: MessageQueue, epoch: int, offset: int) -> bool:
+        """Move ``mq`` to ``offset`` as operator reset ``epoch`` says, with the epoch in one
+        step (a persist sees both or neither); ``False`` when that reset (or a later
+        one) was applied already."""
         ...
 
     def persist(self, mq: MessageQueue) -> None:
@@ -76,6 +101,28 @@ class _MemoryTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.table: dict[MessageQueue, int] = {}
+        self.reset_epochs: dict[MessageQueue, int] = {}
+        """The newest operator reset applied here, per queue (absent: none)."""
+
+    def reset_epoch(self, mq: MessageQueue) -> int:
+        with self._lock:
+            return self.reset_epochs.get(mq, 0)
+
+    def apply_reset(self, mq: MessageQueue, epoch: int, offset: int) -> bool:
+        with self._lock:
+            if self.reset_epochs.get(mq, 0) >= epoch:
+                return False
+            self.reset_epochs[mq] = epoch
+            self.table[mq] = offset
+            return True
+
+    def _loaded(self, mq: MessageQueue, offset: int, epoch: int) -> None:
+        """The stored ``offset`` (``-1``: none) and newest reset ``epoch`` of ``mq``, read
+        together: memory takes both in one step."""
+        with self._lock:
+            self.reset_epochs[mq] = max(epoch, self.reset_epochs.get(mq, 0))
+            if offset >= 0:
+                self.table[mq] = offset
 
     def update_offset(self, mq: MessageQueue, offset: int, increase_only: bool) -> None:
         with self._lock:
@@ -90,6 +137,7 @@ class _MemoryTable:
     def remove_offset(self, mq: MessageQueue) -> None:
         with self._lock:
             self.table.pop(mq, None)
+            self.reset_epochs.pop(mq, None)
 
     def items(self, mqs: Iterable[MessageQueue] | None = None) -> dict[MessageQueue, int]:
         with self._lock:
@@ -103,6 +151,31 @@ def offsets_key(group: str) -> str:
     return f"rmq:offset:{{{group}}}"
 
 
+def reset_marks_key(group: str) -> str:
+    """The Redis hash of ``group``'s operator resets: queue -> ``<epoch>:<offset>``."""
+    return f"rmq:offset-reset:{{{group}}}"
+
+
+def reset_epoch_key(group: str) -> str:
+    """The counter of ``group``'s operator resets."""
+    return f"rmq:offset-reset-epoch:{{{group}}}"
+
+
+def offsets_script(client: RedisClient, name: str) -> Any:
+    """Register ``retry/consumer/lua/<name>`` on ``client``."""
+    source = resources.files("idem.retry.consumer") / "lua" / name
+    return client.register_script(source.read_text(encoding="utf-8"))
+
+
+def _epoch_of(mark: Any) -> int:
+    """The epoch of a reset mark ``<epoch>:<offset>`` (0 when absent or damaged)."""
+    if mark is None:
+        return 0
+    text = mark.decode() if isinstance(mark, bytes) else str(mark)
+    head, _, _ = text.partition(":")
+    return int(head) if head.isdigit() else 0
+
+
 class RemoteOffsetStore(_MemoryTable):
     """Clustering: offsets in Redis, shared by the group (``RemoteBrokerOffsetStore``)."""
 
@@ -111,6 +184,8 @@ class RemoteOffsetStore(_MemoryTable):
         self.client = client
         self.group = group
         self.key = offsets_key(group)
+        self.marks_key = reset_marks_key(group)
+        self._persist = offsets_script(client, "persist_offsets.lua")
 
     def load(self) -> None:
         """Nothing to load: offsets are read per queue when it is assigned."""
@@ -121,29 +196,48 @@ class RemoteOffsetStore(_MemoryTable):
             cached = self.get(mq)
             if cached is not None or read_type is ReadOffsetType.READ_FROM_MEMORY:
                 return -1 if cached is None else cached
-        raw = self.client.hget(self.key, str(mq))
-        if raw is None:
-            return -1
-        try:
-            offset = int(raw)
-        except ValueError:
-            log.warning("the stored offset of %s is %r, not a number; ignoring it", mq, raw)
-            return -1
-        self.update_offset(mq, offset, False)
+        # The offset and the queue's last reset together: a reset after this read is
+        # one this instance has not applied.
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hget(self.key, str(mq))
+        pipe.hget(self.marks_key, str(mq))
+        raw, mark = pipe.execute()
+        offset = -1
+        if raw is not None:
+            try:
+                offset = int(raw)
+            except ValueError:
+                log.warning("the stored offset of %s is %r, not a number; ignoring it", mq, raw)
+        self._loaded(mq, offset, _epoch_of(mark))
         return offset
 
     def has_offsets(self) -> bool:
         """Whether Redis holds an offset of any of the group's queues."""
         return bool(self.client.hlen(self.key))
 
-    def persist_all(self, mqs: Iterable[MessageQueue]) -> None:
-        """One ``HSET`` of every given queue's offset (RocketMQ's timer, every 5 s)."""
-        values = {str(mq): offset for mq, offset in self.items(mqs).items()}
-        if values:
-            self.client.hset(self.key, mapping=cast(Any, values))
+    def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
+        """Write every given queue's offset in one script call (RocketMQ's timer, every
+        5 s), except those an operator reset since this instance last applied a reset
+        of them: those are returned, with the reset."""
+        with self._lock:
+            args: list[str | int] = []
+            for mq in mqs:
+                offset = self.table.get(mq)
+                if offset is not None:
+                    args += [str(mq), offset, self.reset_epochs.get(mq, 0)]
+        if not args:
+            return {}
+        reply = self._persist(keys=[self.key, self.marks_key], args=args, client=self.client)
+        missed: dict[MessageQueue, MissedReset] = {}
+        for name, mark in zip(reply[::2], reply[1::2], strict=True):
+            text = mark.decode() if isinstance(mark, bytes) else str(mark)
+            epoch, _, moved_to = text.partition(":")
+            queue = MessageQueue.parse(name.decode() if isinstance(name, bytes) else name)
+            missed[queue] = MissedReset(int(epoch), int(moved_to))
+        return missed
 
     def persist(self, mq: MessageQueue) -> None:
-        """Write one queue's offset."""
+        """Write one queue's offset (unless an operator reset it meanwhile)."""
         self.persist_all([mq])
 
     def stored(self) -> dict[MessageQueue, int]:
@@ -207,8 +301,9 @@ class LocalFileOffsetStore(_MemoryTable):
         """Whether the file (or its backup) holds an offset of any queue."""
         return bool(self._read(self.path) or self._read(self.backup))
 
-    def persist_all(self, mqs: Iterable[MessageQueue]) -> None:
-        """Rewrite the file with every known offset (the given queues' and the others')."""
+    def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
+        """Rewrite the file with every known offset (the given queues' and the others');
+        nothing is missed (an operator does not reset a broadcasting consumer's file)."""
         del mqs  # the file holds the whole table, as RocketMQ's does
         table = self.items()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +319,7 @@ class LocalFileOffsetStore(_MemoryTable):
                 handle.flush()
                 os.fsync(handle.fileno())
             tmp.replace(self.path)
+        return {}
 
     def persist(self, mq: MessageQueue) -> None:
         """Rewrite the file."""

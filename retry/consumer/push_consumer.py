@@ -251,9 +251,21 @@ class PushConsumer:
             return
         mqs = [pq.mq for pq in self.rebalance.process_queues() if not self.is_retry_queue(pq.mq)]
         try:
-            self.offset_store.persist_all(mqs)
+            missed = self.offset_store.persist_all(mqs)
         except Exception:
             log.warning("%s: persisting offsets failed", self.client_id, exc_info=True)
+            return
+        by_epoch: dict[int, dict[MessageQueue, int]] = {}
+        for mq, reset in missed.items():
+            by_epoch.setdefault(reset.epoch, {})[mq] = reset.offset
+        for epoch, offsets in sorted(by_epoch.items()):
+            log.warning(
+                "%s: missed the notice of offset reset %d (%d queue(s)); applying it now",
+                self.client_id,
+                epoch,
+                len(offsets),
+            )
+            self.reset_offsets(offsets, epoch=epoch)
 
     # -- rebalance hooks -----------------------------------------------------------------
 
@@ -339,30 +351,40 @@ class PushConsumer:
         if not data.startswith(RESET_NOTICE) or self.rebalance is None:
             return
         try:
-            offsets = {
-                MessageQueue.parse(k): int(v)
-                for k, v in json.loads(data[len(RESET_NOTICE) :]).items()
-            }
-        except (ValueError, TypeError, AttributeError):
+            body = json.loads(data[len(RESET_NOTICE) :])
+            epoch = int(body["epoch"]) if "epoch" in body else None  # older admins: none
+            offsets = {MessageQueue.parse(k): int(v) for k, v in body.get("offsets", body).items()}
+        except (ValueError, TypeError, AttributeError, KeyError):
             log.warning("ignoring a malformed reset notice: %r", data[:200])
             return
-        self.reset_offsets(offsets)
+        self.reset_offsets(offsets, epoch=epoch)
 
-    def reset_offsets(self, offsets: dict[MessageQueue, int], *, persist: bool = False) -> None:
+    def reset_offsets(
+        self, offsets: dict[MessageQueue, int], *, persist: bool = False, epoch: int | None = None
+    ) -> None:
         """Drop the given queues here and restart them from ``offsets`` (``resetOffset``).
 
         ``persist``: also write the offsets to the store (the admin tool already did).
+        ``epoch``: the operator reset these offsets come from; a queue is reset once per
+        epoch, whether its notice or the next persist brought it.
         """
         assert self.rebalance is not None
+        store = self.offset_store
+        if epoch is not None:
+            offsets = {mq: o for mq, o in offsets.items() if store.reset_epoch(mq) < epoch}
+        # Dropped first: a consume result of the old queue can no longer move the offset.
         for mq, pq in self.rebalance.drop(list(offsets)):
             pq.clear()
             if self.orderly_service is not None:
                 self.orderly_service.unlock_queue(mq, pq)
             log.warning("%s: offset of %s reset to %d", self.client_id, mq, offsets[mq])
         for mq, offset in offsets.items():
-            self.offset_store.update_offset(mq, offset, False)
+            if epoch is None:
+                store.update_offset(mq, offset, False)
+            else:
+                store.apply_reset(mq, epoch, offset)
             if persist:
-                self.offset_store.persist(mq)
+                store.persist(mq)
         if self.rebalance_service is not None:
             self.rebalance_service.wakeup()
 

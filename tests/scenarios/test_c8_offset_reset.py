@@ -43,3 +43,34 @@ def test_c8_offset_reset_backwards(group: Group) -> None:
         what="the second phase redelivered and absorbed",
     )
     group.assert_exactly_once(wanted)
+
+
+def test_c8_a_reset_whose_notice_is_lost_still_takes_effect(group: Group) -> None:
+    # The instance never hears the reset's notice (its pub/sub connection was down at
+    # that moment). Its next offset persist must not write the old offsets back over
+    # the reset: the persist learns of the reset, and the instance applies it then.
+    first = group.produce(keys("C8L-A", 8))
+    consumer = group.consumer("c")
+    eventually(group.caught_up, what="the first phase consumed")
+    time.sleep(0.01)
+    second_started_ms = int(time.time() * 1000)
+    second = group.produce(keys("C8L-B", 8))
+    eventually(lambda: group.settled(first + second), what="the second phase consumed")
+
+    assert consumer.rebalance_service is not None
+    consumer.rebalance_service.on_notice = None  # the notice is lost
+    moved = reset_offset_by_time(group.client, group.name, TOPIC, second_started_ms)
+    assert sum(moved.values()) == 8
+
+    wanted = first + second
+    if not group.dedup:
+        eventually(
+            lambda: set(group.sink.duplicates()) == set(second),
+            what="the second phase written again",
+        )
+        return
+    eventually(
+        lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"] == len(second),
+        what="the second phase redelivered and absorbed",
+    )
+    group.assert_exactly_once(wanted)

@@ -1,0 +1,18 @@
+-- reset_offsets.lua: an operator moves a group's offsets (resetOffset), with a durable mark.
+--
+-- KEYS[1]  the group's offsets       HASH    rmq:offset:{<group>}        <topic>:<queue> -> offset
+-- KEYS[2]  the group's reset marks   HASH    rmq:offset-reset:{<group>}  <topic>:<queue> -> "<epoch>:<offset>"
+-- KEYS[3]  the group's reset epoch   STRING  rmq:offset-reset-epoch:{<group>}
+-- ARGV     pairs: queue, offset
+--
+-- The offsets are written and each queue is marked with a new epoch, so an
+-- instance that misses the reset's notice cannot write its old offset back
+-- (persist_offsets.lua refuses it and hands the instance the reset instead).
+-- Returns the epoch.
+
+local epoch = redis.call('INCR', KEYS[3])
+for i = 1, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('HSET', KEYS[2], ARGV[i], epoch .. ':' .. ARGV[i + 1])
+end
+return epoch
