@@ -29,7 +29,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -122,7 +122,9 @@ class ExactlyOnce:
         self._stats: StatsStore | None = None
         self.last_outcome: BatchOutcome | None = None
         if fn is not None:
-            functools.update_wrapper(self, fn)
+            # Name and docs only: a sink object's own attributes (its ``key``, ``config``...)
+            # must not replace the decorator's.
+            functools.update_wrapper(self, fn, updated=())
 
     # -- lazily built collaborators (the driver builds them on the first batch) -------------
 
@@ -189,6 +191,8 @@ class ExactlyOnce:
             raise ConfigError(f"msg_id: the batch has no column {self.msg_id!r}")
         payload = st.StructType([f for f in schema.fields if f.name not in RETRY_COLUMNS])
         payload_columns = payload.fieldNames()
+        if self.sink_table:
+            self._sink_columns(payload_columns)  # a clash fails the batch before any claim
         codec = RowCodec(payload)
         # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow
         # (ids.py). One SQL projection: one py4j call, however many columns.
@@ -280,7 +284,9 @@ class ExactlyOnce:
             group=self.config.group,
         )
         spark = batch_df.sparkSession
-        fresh_df = spark.createDataFrame(fresh)
+        # The batch's own types and nullability (Arrow alone would turn timestamp_ntz into
+        # timestamp and every column nullable).
+        fresh_df = spark.createDataFrame(fresh, schema=_schema_of(fresh, batch_df.schema))
         try:
             result = _call(self.fn, fresh_df, run.batch_id)
         except Exception as exc:  # the user's failure: every fresh row is reconsumed later
@@ -295,16 +301,26 @@ class ExactlyOnce:
             return dict.fromkeys(run.fresh, error)
         return run.failures_from(_failed_keys(result, self.key))
 
-    def _sink_payload(self, run: BatchRun, failed: Mapping[int, str]) -> pa.Table:
-        """The user's columns of the accepted rows, to be written into the sink table."""
-        taken = [c for c in run.payload_columns if c != "key" or self.key != "key"]
-        clash = sorted(set(taken) & set(LEDGER_SCHEMA.names))
+    def _sink_columns(self, payload_columns: Sequence[str]) -> list[str]:
+        """The user's columns that go into the sink table next to the ledger's (a key
+        column named ``key`` is the ledger's own)."""
+        taken = [c for c in payload_columns if c != "key" or self.key != "key"]
+        ledger = {name.lower() for name in LEDGER_SCHEMA.names}
+        clash = [c for c in taken if c.lower() in ledger]  # Delta names ignore case
         if clash:
             raise ConfigError(
                 f"sink_table: column(s) {', '.join(clash)} of the rows clash with the ledger "
-                f"columns of the sink table ({', '.join(LEDGER_SCHEMA.names)}); rename them "
-                "before the sink"
+                f"columns of the sink table ({', '.join(LEDGER_SCHEMA.names)}, in any case); "
+                "rename them before the sink"
             )
+        return taken
+
+    def _sink_payload(self, run: BatchRun, failed: Mapping[int, str]) -> pa.Table | None:
+        """The user's columns of the accepted rows, to be written into the sink table
+        (``None``: the rows have no column but the key, which the ledger holds)."""
+        taken = self._sink_columns(run.payload_columns)
+        if not taken:
+            return None
         succeeded = [i for i in run.fresh if i not in failed]
         return run.table.select(taken).take(pa.array(succeeded, pa.int64()))
 
@@ -355,6 +371,14 @@ def _has_map(kind: st.DataType) -> bool:
     if isinstance(kind, st.StructType):
         return any(_has_map(f.dataType) for f in kind.fields)
     return False
+
+
+def _schema_of(fresh: pa.Table, batch: st.StructType) -> st.StructType:
+    """The Spark schema of the fresh rows: the batch's fields, then added text columns."""
+    known = {f.name: f for f in batch.fields}
+    return st.StructType(
+        [known.get(name) or st.StructField(name, st.StringType()) for name in fresh.column_names]
+    )
 
 
 def _call(fn: SinkFunction, df: DataFrame, batch_id: int) -> SinkResult:

@@ -21,6 +21,7 @@ from spark_helpers import config_for, dead_letters, order, sink_key_counts, sink
 from idem.cli import build_parser
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
+from idem.errors import ConfigError
 from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
@@ -543,3 +544,65 @@ def test_on_a_redis_cluster_the_sinks_stay_exactly_once_and_failures_are_retried
     assert outcome.failed_keys == ("O-new",)
     assert outcome.retried_by_level == {3: 1}
     assert RetryEngine(config.with_changes(group="clustered-fn")).pending() == 1
+
+
+class CustomerWriter(Recorder):
+    """A user's sink object whose attributes share names with the decorator's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = "customer_id"  # the target table's partition key
+        self.config = {"table": "orders_by_customer"}
+        self.schemas: list[st.StructType] = []
+
+    def __call__(self, fresh: DataFrame, batch_id: int) -> list[str]:
+        self.schemas.append(fresh.schema)
+        return super().__call__(fresh, batch_id)
+
+
+def test_a_sink_object_keeps_its_own_attributes_and_gets_the_batchs_column_types(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "object")
+    writer = CustomerWriter()
+    sink = exactly_once(key="order_id", config=config, client=real_redis,
+                        idempotency_column="idem_key")(writer)  # fmt: skip
+    sink.query_id = "q"
+    at = dt.datetime(2024, 5, 1, 10, 0, 0)
+    schema = "order_id string, customer_id string, placed_at timestamp_ntz, note string not null"
+    rows = [("O1", "C1", at, "x"), ("O2", "C1", at, "y"), ("O3", "C2", at, "z")]
+    outcome = sink.process(spark.createDataFrame(rows, schema), 0)
+    # Two orders of one customer are two keys: the decorator's key is order_id.
+    assert sorted(r["order_id"] for r in writer.rows) == ["O1", "O2", "O3"]
+    assert outcome.applied == 3
+    assert (sink.key, writer.key) == ("order_id", "customer_id")
+    got = writer.schemas[0]
+    assert got["placed_at"].dataType == st.TimestampNTZType()
+    assert got["note"].nullable is False
+    assert got["idem_key"].dataType == st.StringType()
+    assert writer.rows[0]["placed_at"] == at
+
+
+def test_a_delta_sink_of_rows_that_are_only_their_key_writes_them(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "bare")
+    sink = delta_sink(str(tmp_path / "keys"), key="key", config=config, client=real_redis)
+    sink.query_id = "q"
+    first = sink.process(spark.createDataFrame([("A",), ("B",), ("A",)], "key string"), 0)
+    second = sink.process(spark.createDataFrame([("B",), ("C",)], "key string"), 1)
+    assert sink_key_counts(tmp_path / "keys") == {"A": 1, "B": 1, "C": 1}
+    assert (first.applied, second.applied) == (2, 1)
+
+
+def test_a_column_clashing_with_the_ledgers_in_another_case_fails_before_any_claim(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "clash")
+    sink = ExactlyOnce(None, config=config, key="order_id", client=real_redis,
+                       sink_table=str(tmp_path / "orders"), query_id="q", leases=True)  # fmt: skip
+    df = spark.createDataFrame([("A", "alice")], "order_id string, Owner string")
+    with pytest.raises(ConfigError, match="Owner"):
+        sink.process(df, 0)
+    # Nothing was claimed: another writer of the group takes A at once.
+    assert Dedup(config, client=real_redis).begin(["A"], owner="other:1").fresh == (0,)
