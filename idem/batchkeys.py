@@ -44,12 +44,17 @@ class BatchKeys:
         """
         keys, normalised, first, row_buckets = self.keys, self.normalised, self.first, self.buckets
         duplicates, buckets, crc = self.duplicates, self.bucket_count, zlib.crc32
-        short = self.max_bytes // 4  # a str of at most this many characters fits any encoding
+        max_bytes = self.max_bytes
         grouped: dict[int, list[str]] = {}
         for i in rows:
             value = keys[i]
-            # The common case, inline (as keys.valid_keys): a non-blank str that fits the limit.
-            if type(value) is str and 0 < len(value) <= short and not value.isspace():
+            # The common case, inline (as keys.valid_keys): a non-blank ASCII str that fits.
+            if (
+                type(value) is str
+                and value.isascii()
+                and 0 < len(value) <= max_bytes
+                and not value.isspace()
+            ):
                 key = value
             else:
                 try:
@@ -62,7 +67,7 @@ class BatchKeys:
                 duplicates[i] = DuplicateCause.IN_BATCH
                 continue
             first[key] = i
-            bucket = crc(key.encode("utf-8", "surrogatepass")) % buckets
+            bucket = crc(key.encode("utf-8")) % buckets
             row_buckets[i] = bucket
             found = grouped.get(bucket)
             if found is None:

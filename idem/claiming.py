@@ -88,6 +88,10 @@ class PendingClaim:
         if len(prints) != size:
             self.abandon()
             raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
+        if "|" in "".join(prints):  # the hot store's values are '<fingerprint>|<time>'
+            self.abandon()
+            bad = next(i for i, p in enumerate(prints) if "|" in p)
+            raise ValueError(f"fingerprints: row {bad}'s fingerprint {prints[bad]!r} contains '|'")
         result = self._verdicts()
         batch, owner = self.batch, self.owner
         duplicates, first = batch.duplicates, batch.first

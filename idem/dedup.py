@@ -110,6 +110,8 @@ class Dedup:
         connection back (``abandon`` also gives back the leases taken).
         """
         rows = order if order is not None else range(len(keys))
+        if order is not None and (len(order) != len(keys) or set(order) != set(range(len(keys)))):
+            raise ValueError(f"order: must list each of the {len(keys)} rows once")
         return PendingClaim(self, keys, owner=owner, order=rows, field=field, hold=hold)
 
     def catch_up(self, buckets: Iterable[int] | None = None, *, recheck: bool = False) -> int:
@@ -219,6 +221,10 @@ class Dedup:
                 results=results,
             )
         version = result.version if result.version is not None else -2
+        if result.already_present:
+            indices, keys, buckets = self._drop_slipped(
+                claim, result.already_present, indices, keys, buckets
+            )
         fenced: list[str] = []
         if defer_index:
             # No OwnCommits entry: every catch-up of this object settles this update first.
@@ -246,6 +252,26 @@ class Dedup:
             fenced=tuple(fenced),
             replayed=result.replayed,
         )
+
+    def _drop_slipped(
+        self,
+        claim: BatchClaim,
+        slipped: Sequence[str],
+        indices: Sequence[int],
+        keys: Sequence[str],
+        buckets: Sequence[int],
+    ) -> tuple[list[int], list[str], list[int]]:
+        """The committed rows without the ``slipped`` keys, whose leases go back.
+
+        Another writer's row holds a slipped key, with its own fingerprint, and the
+        index gets the key from that row's version: marking it here would overwrite
+        that fingerprint with this copy's.
+        """
+        gone = set(slipped)
+        kept = [n for n, key in enumerate(keys) if key not in gone]
+        if claim.held:
+            self.hot.release(group_by_bucket(gone, self.config.buckets), claim.owner)
+        return [indices[n] for n in kept], [keys[n] for n in kept], [buckets[n] for n in kept]
 
     def _index_completed(
         self,

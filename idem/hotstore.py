@@ -255,7 +255,11 @@ class RedisHotStore:
         alone keeps a key from being written twice.
         """
         claim = self.start_claim(owner, min_version=min_version, hold=hold)
-        claim.add(keys_by_bucket)
+        try:
+            claim.add(keys_by_bucket)
+        except BaseException:
+            claim.abandon()  # reads what was sent: the connection goes back clean
+            raise
         return claim.result()
 
     def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimCalls:

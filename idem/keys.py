@@ -40,7 +40,14 @@ def validate_key(value: object, *, field: str = "key", max_bytes: int = 512) -> 
         )
     if not value.strip():
         raise InvalidKey(f"{field}: key is empty", field=field, reason="empty")
-    size = len(value.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. JSON's "\ud800"
+        raise InvalidKey(
+            f"{field}: key is not valid Unicode text ({exc.reason} at character {exc.start})",
+            field=field,
+            reason="undecodable",
+        ) from None
     if size > max_bytes:
         raise InvalidKey(
             f"{field}: key is {size} bytes; the limit is {max_bytes} bytes (max_key_bytes)",
@@ -55,14 +62,18 @@ def valid_keys(
 ) -> list[str | None]:
     """:func:`validate_key` of each value, ``None`` where it is invalid.
 
-    The common case (a non-blank ``str`` short enough to fit ``max_bytes`` however
-    it is encoded) is decided inline; :class:`~idem.batchkeys.BatchKeys` inlines the
-    same test in its own loop, which also needs the reasons.
+    The common case (a non-blank ASCII ``str`` within ``max_bytes``: one byte per
+    character, nothing to encode) is decided inline; :class:`~idem.batchkeys.BatchKeys`
+    inlines the same test in its own loop, which also needs the reasons.
     """
-    short = max_bytes // 4
     keys: list[str | None] = []
     for value in values:
-        if type(value) is str and 0 < len(value) <= short and not value.isspace():
+        if (
+            type(value) is str
+            and value.isascii()
+            and 0 < len(value) <= max_bytes
+            and not value.isspace()
+        ):
             keys.append(value)
             continue
         try:

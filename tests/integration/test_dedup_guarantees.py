@@ -591,3 +591,52 @@ def test_a_leased_commit_that_must_merge_finds_a_copy_landed_after_its_claim_how
     done = w1.complete(taken, batch_id=1, app_id="w1")
     assert (done.committed, done.slipped) == (0, ("K",))
     assert w1.ledger.audit() == []
+
+
+def test_a_key_that_is_not_valid_unicode_is_invalid_and_the_rest_of_the_batch_goes_on(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    claim = dd.begin(["A", "ORDER_\ud800", "B", "\u00e9t\u00e9"], owner="q:1")
+    assert claim.fresh == (0, 2, 3)
+    assert [(bad.index, bad.reason) for bad in claim.invalid] == [(1, "undecodable")]
+    assert dd.complete(claim, batch_id=1, app_id="q").committed == 3
+
+
+def test_a_fingerprint_with_a_bar_or_an_order_missing_rows_is_refused_before_anything_lands(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    with pytest.raises(ValueError, match=r"row 1's fingerprint 'ab\|c' contains '\|'"):
+        dd.begin(["A", "B"], owner="q:1", fingerprints=["00", "ab|c"])
+    with pytest.raises(ValueError, match="order: must list each of the 3 rows once"):
+        dd.begin(["A", "B", "C"], owner="q:1", order=[0, 2])
+    with pytest.raises(ValueError, match="order"):
+        dd.begin(["A", "B"], owner="q:1", order=[0, 1, 0])
+    # Nothing was held or written: another owner takes every key, and the ledger is empty.
+    other = Dedup(_config(tmp_path, redis_server.url))
+    assert other.begin(["A", "B", "C"], owner="o:1").fresh == (0, 1, 2)
+    assert dd.ledger.version() == -1
+
+
+def test_a_slipped_copy_leaves_the_stored_rows_fingerprint_in_the_index(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    # Two lease-free writers of one ledger sink: q2 looks K up (payload "two"), q1 writes K
+    # (payload "one"), q2's copy of K slips. The ledger holds q1's row; a later copy with
+    # q1's payload is a plain duplicate and one with q2's payload is the mismatch.
+    config = _config(tmp_path, redis_server.url)
+    q1, q2 = Dedup(config), Dedup(config)
+    late = q2.begin(["K", "L"], owner="q2:1", hold=False, fingerprints=["two", "el"])
+    first = q1.begin(["K"], owner="q1:1", hold=False, fingerprints=["one"])
+    q1.complete(first, batch_id=1, app_id="q1", payload=_payload(["K"], "q1"))
+    done = q2.complete(late, batch_id=1, app_id="q2", payload=_payload(["K", "L"], "q2"))
+    assert (done.committed, done.slipped) == (1, ("K",))
+    for writer in (q1, q2):
+        writer.settle()
+    again = Dedup(config).begin(["K", "K"], owner="q3:1", fingerprints=["one", "two"])
+    assert again.duplicates == {0: DuplicateCause.COMPLETED, 1: DuplicateCause.IN_BATCH}
+    assert again.mismatched == ()
+    other = Dedup(config).begin(["K"], owner="q4:1", fingerprints=["two"])
+    assert other.mismatched == (0,)
+    assert other.stored_fingerprints == {0: "one"}

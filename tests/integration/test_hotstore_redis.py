@@ -180,3 +180,18 @@ def test_a_server_that_cannot_start_says_why() -> None:
         server.start()
     assert not server.running
     server.stop()
+
+
+def test_a_claim_that_fails_part_way_gives_its_connection_and_leases_back(
+    real_redis: redis.Redis,
+) -> None:
+    store = _store(real_redis)
+    _index_empty_ledger(store)
+    pool = real_redis.connection_pool
+    for _ in range(3):
+        with pytest.raises(ValueError, match="bucket"):
+            store.claim({0: ["A"], 1: ["B"], 99: ["C"]}, "owner:1", min_version=-1)
+    assert not pool._in_use_connections  # each attempt's connection went back, read
+    # A and B were sent before bucket 99 failed: their leases were given back too.
+    taken = store.claim({0: ["A"], 1: ["B"]}, "owner:2", min_version=-1)
+    assert sorted(taken.claimed) == ["A", "B"]

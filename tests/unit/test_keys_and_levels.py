@@ -15,7 +15,14 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize(
     ("value", "reason"),
-    [(None, "null"), ("", "empty"), (" \t", "empty"), (3, "not_text"), (b"\xc3", "undecodable")],
+    [
+        (None, "null"),
+        ("", "empty"),
+        (" \t", "empty"),
+        (3, "not_text"),
+        (b"\xc3", "undecodable"),
+        ("ORDER_\ud800", "undecodable"),  # a lone surrogate (JSON's "\ud800") cannot be sent
+    ],
 )
 def test_bad_keys_are_named(value: object, reason: str) -> None:
     with pytest.raises(InvalidKey) as info:
