@@ -187,23 +187,22 @@ class ConcurrentlyService:
             self.rt.stats.add(broadcast_dropped=len(dropped))
         else:
             keep = self._send_back(messages, result)
-        kept = {m.msg_id for m in keep}
+        # By queue offset, not msg id: a producer's resend (C1) can put two copies with
+        # one msg id in one request, and the acknowledged copy must leave the queue.
+        held = {m.queue_offset for m in keep} | {messages[i].queue_offset for i in pending}
         by_deferral: dict[int, tuple[Deferred, list[MessageExt]]] = {}
         for i, deferred in sorted(pending.items()):
             by_deferral.setdefault(id(deferred), (deferred, []))[1].append(messages[i])
-        waiting = {m.msg_id for _, batch in by_deferral.values() for m in batch}
         pq.defer([messages[i] for i in pending])  # before the offset moves past them
-        offset = pq.remove_messages(
-            [m for m in messages if m.msg_id not in kept and m.msg_id not in waiting]
-        )
+        offset = pq.remove_messages([m for m in messages if m.queue_offset not in held])
         if offset >= 0:
             self.rt.commit_offset(mq, pq, offset, increase_only=True)
         if self.rt.is_retry_queue(mq) and acked:
             self.rt.ack_retried(acked)
         if keep:
-            busy = {messages[i].msg_id for i, f in result.failed.items() if not f.counts}
+            busy = {messages[i].queue_offset for i, f in result.failed.items() if not f.counts}
             again = [
-                m if m.msg_id in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
+                m if m.queue_offset in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
                 for m in keep
             ]
             self.submit_later(again, pq, mq, self._resubmit_delay_ms())

@@ -92,8 +92,9 @@ class OffsetStore(Protocol):
         """Forget ``mq`` in memory (the queue was taken away)."""
         ...
 
-    def has_offsets(self) -> bool:
-        """Whether the store holds an offset of any queue (the group is not new)."""
+    def has_offsets(self, topic: str) -> bool:
+        """Whether the store holds an offset of any queue of ``topic`` (the group already
+        consumes it)."""
         ...
 
 
@@ -167,6 +168,12 @@ def offsets_script(client: RedisClient, name: str) -> Any:
     return client.register_script(source.read_text(encoding="utf-8"))
 
 
+def _topic_of(field: Any) -> str:
+    """The topic of an offset field ``<topic>:<queue id>``."""
+    text = field.decode() if isinstance(field, bytes) else str(field)
+    return text.rpartition(":")[0]
+
+
 def _epoch_of(mark: Any) -> int:
     """The epoch of a reset mark ``<epoch>:<offset>`` (0 when absent or damaged)."""
     if mark is None:
@@ -211,9 +218,10 @@ class RemoteOffsetStore(_MemoryTable):
         self._loaded(mq, offset, _epoch_of(mark))
         return offset
 
-    def has_offsets(self) -> bool:
-        """Whether Redis holds an offset of any of the group's queues."""
-        return bool(self.client.hlen(self.key))
+    def has_offsets(self, topic: str) -> bool:
+        """Whether Redis holds an offset of any of the group's queues of ``topic``."""
+        fields = self.client.hkeys(self.key)
+        return any(_topic_of(field) == topic for field in fields)
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
         """Write every given queue's offset in one script call (RocketMQ's timer, every
@@ -297,9 +305,10 @@ class LocalFileOffsetStore(_MemoryTable):
         self.update_offset(mq, offset, False)
         return offset
 
-    def has_offsets(self) -> bool:
-        """Whether the file (or its backup) holds an offset of any queue."""
-        return bool(self._read(self.path) or self._read(self.backup))
+    def has_offsets(self, topic: str) -> bool:
+        """Whether the file (or its backup) holds an offset of any queue of ``topic``."""
+        table = self._read(self.path) or self._read(self.backup) or {}
+        return any(mq.topic == topic for mq in table)
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
         """Rewrite the file with every known offset (the given queues' and the others');

@@ -92,12 +92,15 @@ class ProcessQueue:
             return len(self._awaiting)
 
     def first_offset(self) -> int | None:
-        """The smallest offset in flight, awaiting ones included (``None``: none)."""
+        """The smallest offset in flight — cached, being consumed by an orderly consumer,
+        or awaiting — (``None``: none)."""
         with self._lock:
             heap, awaiting = self._awaiting_heap, self._awaiting
             while heap and heap[0] not in awaiting:
                 heapq.heappop(heap)
             firsts = [o[0] for o in (self._offsets, heap) if o]
+            if self._consuming:
+                firsts.append(min(self._consuming))
             return min(firsts) if firsts else None
 
     def _commit_offset(self) -> int:

@@ -276,19 +276,20 @@ class PushConsumer:
         return self.topics.message_queues(topic)
 
     def compute_pull_from_where(self, mq: MessageQueue) -> int:
-        """The stored offset, or — a new group — last / first / timestamp.
+        """The stored offset, or — a topic new to the group — last / first / timestamp.
 
-        A queue without an offset in a group that has some (the topic got more queues,
-        or one offset was lost) starts at its first message: what producers put there
-        before the rebalance handed it out belongs to the group already (RocketMQ's
-        broker answers 0 for a queue that still starts at 0).
+        A queue without an offset in a group that has offsets of its topic (the topic
+        got more queues, or one offset was lost) starts at its first message: what
+        producers put there before the rebalance handed it out belongs to the group
+        already (RocketMQ's broker answers 0 for a queue that still starts at 0). A
+        topic the group never consumed follows ``consume_from_where``.
         """
         if self.is_retry_queue(mq):
             return 0
         stored = self.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_STORE)
         if stored >= 0:
             return stored
-        if self.offset_store.has_offsets():
+        if self.offset_store.has_offsets(mq.topic):
             offset = self.topics.min_offset(mq)
             self.offset_store.update_offset(mq, offset, False)
             return offset

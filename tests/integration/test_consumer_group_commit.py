@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from idem.retry.consumer import (
     PushConsumer,
     ReadOffsetType,
     TopicStore,
+    consumer_offsets,
     new_message,
 )
 from idem.retry.message import MessageExt
@@ -118,5 +120,41 @@ def test_the_offset_waits_for_the_group_commit(
         ledger = hook.dedup.ledger.window(0, None).keys.column("key").to_pylist()
         assert sorted(ledger) == [f"ORDER-{i}" for i in range(4)]
         assert hook.stats.commits == 1
+    finally:
+        consumer.shutdown()
+
+
+def test_two_copies_with_one_msg_id_in_one_request_both_leave_the_queue(
+    redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
+) -> None:
+    # C1 in one consume request: the producer's resend stored the message twice in the
+    # queue, one msg id at offsets 0 and 1. The first copy waits for the group commit,
+    # the second is an in-batch duplicate, acknowledged at once: it must leave the
+    # process queue, or the offset is stuck at it until the consume timeout.
+    config = IdemConfig(
+        group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url, data_dir=str(tmp_path)
+    )
+    topics = TopicStore(real_redis)
+    topics.create_topic("orders", 1)
+    mq = MessageQueue("orders", 0)
+    twice = new_message("orders", b"{}", keys="ORDER-0")
+    topics.put(mq, [twice, twice, new_message("orders", b"{}", keys="ORDER-1")])
+    sink = Sink()
+    consumer = PushConsumer(
+        config, settings=replace(FAST, consume_message_batch_max_size=16),
+        client=redis_server.client(),
+    )  # fmt: skip
+    consumer.subscribe("orders")
+    hook = DedupMiddleware(Dedup(config, client=redis_server.client()), commit_interval_ms=50)
+    consumer.use(hook)
+    consumer.register_message_listener_concurrently(sink)
+    consumer.start()
+    try:
+        eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 3, timeout=5)
+        assert sorted(sink.keys) == ["ORDER-0", "ORDER-1"]
+        assert hook.stats.duplicates == {"in_batch": 1}
+        pq = consumer.rebalance.get(mq) if consumer.rebalance else None
+        assert pq is not None
+        assert pq.msg_count == 0
     finally:
         consumer.shutdown()

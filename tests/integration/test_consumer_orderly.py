@@ -25,10 +25,12 @@ from waiting import FAST, eventually
 
 from idem.config import IdemConfig
 from idem.retry.consumer import (
+    MessageQueue,
     Producer,
     PushConsumer,
     QueueLocks,
     TopicStore,
+    consumer_offsets,
     new_message,
     select_message_queue_by_hash,
 )
@@ -151,3 +153,41 @@ def test_order_kept_across_a_suspended_message(real_backend: RealRedis, tmp_path
     assert letter.key == POISON
     assert letter.reconsume_times == 3
     assert len(sink.attempts[POISON]) == 4  # first try + 3 local retries
+
+
+def test_a_filtered_message_does_not_move_the_offset_past_the_batch_being_consumed(
+    real_backend: RealRedis, tmp_path: Path
+) -> None:
+    # An orderly listener is on K0 when a message the tag filter drops (K1) arrives. The
+    # offset may pass K1 only once K0 is done: persisted past K0 earlier, a crash in
+    # the listener would lose K0 for good.
+    real_redis = real_backend.client
+    group = f"f-{uuid.uuid4().hex[:8]}"
+    config = IdemConfig(group=group, redis_url=real_backend.url, data_dir=str(tmp_path))
+    TopicStore(real_redis).create_topic("orders", 1)
+    started, release = threading.Event(), threading.Event()
+
+    def slow(
+        messages: Sequence[MessageExt], context: ConsumeOrderlyContext
+    ) -> ConsumeOrderlyStatus:
+        started.set()
+        release.wait(30)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    settings = replace(FAST, lock_interval_ms=200)
+    consumer = PushConsumer(config, settings=settings, client=real_backend.new_client())
+    consumer.subscribe("orders", "A")
+    consumer.register_message_listener_orderly(slow)
+    consumer.start()
+    try:
+        producer = Producer("p", client=real_redis)
+        producer.send(new_message("orders", b"{}", keys="K0", tags="A"))
+        assert started.wait(10)
+        producer.send(new_message("orders", b"{}", keys="K1", tags="B"))  # filtered out
+        time.sleep(10 * settings.persist_consumer_offset_interval_ms / 1000)
+        assert consumer_offsets(real_redis, group).get(MessageQueue("orders", 0), 0) == 0
+        release.set()  # K0 done: the offset moves on (past K1 with a later pull, as RocketMQ)
+        eventually(lambda: consumer_offsets(real_redis, group)[MessageQueue("orders", 0)] >= 1)
+    finally:
+        release.set()
+        consumer.shutdown()

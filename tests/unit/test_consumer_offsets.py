@@ -81,6 +81,21 @@ def test_a_queue_new_to_an_existing_group_starts_at_its_first_message(tmp_path: 
     assert newcomer.compute_pull_from_where(q1) == 5
 
 
+def test_a_topic_new_to_an_existing_group_follows_consume_from_where(tmp_path: Path) -> None:
+    """The group has consumed "orders" for a while and now subscribes to "refunds",
+    whose history is long: CONSUME_FROM_LAST_OFFSET starts it at the end, not at 0."""
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 1)
+    topics.create_topic("refunds", 1)
+    orders, refunds = MessageQueue("orders", 0), MessageQueue("refunds", 0)
+    topics.put(refunds, _messages(refunds, range(500)))
+    consumer = _consumer(tmp_path, client)
+    consumer.compute_pull_from_where(orders)
+    consumer.offset_store.persist_all([orders])
+    assert consumer.compute_pull_from_where(refunds) == 500
+
+
 def test_a_stored_offset_that_is_not_a_number_is_ignored_not_fatal(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
