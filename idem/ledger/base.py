@@ -20,6 +20,7 @@ import pyarrow as pa
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import ConfigError, LedgerError
+from idem.ledger.schema import LedgerIdentity
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -216,5 +217,6 @@ def open_ledger(
         storage_options=storage_options,
         clock=clock,
         dedup_window_ms=window_ms,
+        identity=LedgerIdentity(config.group, config.buckets),
         **engine_options,
     )

@@ -56,13 +56,14 @@ from tenacity import (
 )
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.errors import LedgerConflict, LedgerError
+from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log, _sql
 from idem.ledger._added import AddedKeys
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
     PARTITION_COLUMNS,
+    LedgerIdentity,
     conform,
     date_of_ms,
     first_per_key,
@@ -119,6 +120,7 @@ class DeltaLedger:
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         streamed_exec: bool = False,
+        identity: LedgerIdentity | None = None,
     ) -> None:
         if max_attempts < 1:
             raise LedgerError(f"max_attempts: {max_attempts} must be at least 1")
@@ -137,6 +139,7 @@ class DeltaLedger:
         self._known_version = -1
         self._version_read_ms = self._clock.now_ms()
         self._added = AddedKeys(self._read_commit, self._read_index_file)
+        self._identity = identity
 
     @property
     def path(self) -> str:
@@ -501,6 +504,8 @@ class DeltaLedger:
                     return -1, None
                 version = table.version()
             return version, _sql.run(table, sql, probe=probe)
+        except ConfigError:
+            raise
         except Exception as exc:  # DataFusion errors surface as plain Exception
             raise LedgerError(f"ledger {self._uri}: query failed: {exc}") from exc
 
@@ -564,10 +569,30 @@ class DeltaLedger:
             self._table.update_incremental()
             return self._table
         try:
-            self._table = DeltaTable(self._uri, storage_options=self._storage_options)
+            table = DeltaTable(self._uri, storage_options=self._storage_options)
         except TableNotFoundError:
             return None
-        return self._table
+        self._check_identity(table)
+        self._table = table
+        return table
+
+    def _check_identity(self, table: DeltaTable) -> None:
+        """Refuse another group's ledger, or this group's with another bucket count."""
+        mine = self._identity
+        found = LedgerIdentity.of(table.metadata().description)
+        if mine is None or found is None:  # not asked, or a ledger older than the record
+            return
+        if found.group != mine.group:
+            raise ConfigError(
+                f"ledger_path: the ledger at {self._uri} belongs to group {found.group!r}, "
+                f"not {mine.group!r}; give each group its own ledger (groups must never "
+                "suppress each other's keys)"
+            )
+        if found.buckets != mine.buckets:
+            raise ConfigError(
+                f"buckets: the ledger at {self._uri} was written with {found.buckets} buckets, "
+                f"not {mine.buckets}; a group's bucket count is fixed once its ledger exists"
+            )
 
     def _create_with(self, source: pa.Table, app_id: str, txn_version: int) -> CommitResult:
         """Create the table with the first batch: one commit, version 0, so an index
@@ -580,7 +605,11 @@ class DeltaLedger:
                 partition_by=list(PARTITION_COLUMNS),
                 writer_properties=WRITER_PROPERTIES,
                 name="idem_ledger",
-                description="idem dedup ledger: one row per completed business key",
+                description=(
+                    self._identity.describe()
+                    if self._identity is not None
+                    else "idem dedup ledger: one row per completed business key"
+                ),
                 storage_options=self._storage_options,
                 commit_properties=CommitProperties(
                     app_transactions=[Transaction(app_id, txn_version)],

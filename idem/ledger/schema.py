@@ -10,7 +10,10 @@ the dedup window's partitions, and every batch writes its own files so the
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -201,3 +204,35 @@ def first_per_key(rows: pa.Table) -> tuple[pa.Table, list[str]]:
     mask = pc.invert(pc.is_in(keyed.column("__row"), value_set=indices.combine_chunks()))
     repeated = keyed.column("key").filter(mask).to_pylist()
     return rows.take(indices), list(dict.fromkeys(repeated))
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerIdentity:
+    """Whose ledger a table is: one group, with one bucket count, for its whole life.
+
+    Written into the table's description when the ledger is created, and checked
+    whenever it is opened: another group's rows would suppress this group's keys
+    (the checks match on bucket and key), and another bucket count would put a
+    key in another bucket than its first copy.
+    """
+
+    group: str
+    buckets: int
+
+    def describe(self) -> str:
+        """The table description that records this identity."""
+        return (
+            "idem dedup ledger: one row per completed business key "
+            f"[group={json.dumps(self.group)} buckets={self.buckets}]"
+        )
+
+    @classmethod
+    def of(cls, description: str | None) -> LedgerIdentity | None:
+        """The identity a table description records (``None``: an older ledger's)."""
+        found = _IDENTITY.search(description or "")
+        if found is None:
+            return None
+        return cls(json.loads(found.group("group")), int(found.group("buckets")))
+
+
+_IDENTITY = re.compile(r'\[group=(?P<group>"(?:[^"\\]|\\.)*") buckets=(?P<buckets>\d+)\]$')

@@ -19,7 +19,7 @@ import pytest
 from idem.claiming import CLAIM_WAVE_ROWS
 from idem.config import IdemConfig
 from idem.dedup import Dedup
-from idem.errors import UnsafeRedisConfig
+from idem.errors import ConfigError, UnsafeRedisConfig
 from idem.hotstore import CompleteResult
 from idem.outcome import DuplicateCause
 from idem.redis_server import RedisServer
@@ -640,3 +640,24 @@ def test_a_slipped_copy_leaves_the_stored_rows_fingerprint_in_the_index(
     other = Dedup(config).begin(["K"], owner="q4:1", fingerprints=["two"])
     assert other.mismatched == (0,)
     assert other.stored_fingerprints == {0: "one"}
+
+
+def test_a_ledger_refuses_another_group_and_another_bucket_count(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    # One IDEM_LEDGER_PATH for two groups would let group b's keys be suppressed by
+    # group a's rows; a changed bucket count would put keys in other buckets than their
+    # first copies. Both are refused with the field that is wrong, before anything lands.
+    shared = str(tmp_path / "one-ledger")
+    a = Dedup(_config(tmp_path, redis_server.url, ledger_path=shared))
+    _process(a, ["K1"], owner="a:1", batch_id=1)
+    b = Dedup(_config(tmp_path, redis_server.url, ledger_path=shared).with_changes(group="refunds"))
+    with pytest.raises(
+        ConfigError, match=r"ledger_path: .* belongs to group 'orders', not 'refunds'"
+    ):
+        _process(b, ["K1", "K2"], owner="b:1", batch_id=1)
+    fewer = Dedup(_config(tmp_path, redis_server.url, ledger_path=shared).with_changes(buckets=4))
+    with pytest.raises(ConfigError, match=r"buckets: .* written with 8 buckets, not 4"):
+        _process(fewer, ["K3"], owner="a:2", batch_id=2)
+    assert a.ledger.audit() == []
+    assert len(a.ledger.existing(["K1", "K2", "K3"], since_ms=None)) == 1
