@@ -463,12 +463,13 @@ def _keys_at(keys: Sequence[str | None], indices: Sequence[int]) -> tuple[str, .
 
 
 def _raw_key(value: object) -> str | None:
-    """A bad key as text for the DLQ row (``None`` when it is not text at all)."""
-    if isinstance(value, str):
+    """A bad key as text for the DLQ row, so ``idem dlq show --key`` finds it (``None``
+    when it is null): a decimal, date or float key is written as Python prints it."""
+    if value is None or isinstance(value, str):
         return value
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return None
+    return str(value)
 
 
 def _key_values(column: pa.ChunkedArray) -> list[object]:

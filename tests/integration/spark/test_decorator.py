@@ -606,3 +606,19 @@ def test_a_column_clashing_with_the_ledgers_in_another_case_fails_before_any_cla
         sink.process(df, 0)
     # Nothing was claimed: another writer of the group takes A at once.
     assert Dedup(config, client=real_redis).begin(["A"], owner="other:1").fresh == (0,)
+
+
+def test_a_key_that_is_not_text_is_dead_lettered_under_its_printed_value(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "decimal-keys")
+    recorder = Recorder()
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    sink.query_id = "q"
+    df = spark.createDataFrame([(Decimal("12.50"), "x")], "order_id decimal(10,2), note string")
+    outcome = sink.process(df, 0)
+    assert outcome.applied == 0
+    assert recorder.rows == []
+    [letter] = dead_letters(config)
+    assert letter.key == "12.50"
+    assert "order_id: key must be text, got Decimal" in (letter.last_error or "")
