@@ -298,13 +298,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.add_argument("--schema", help="DDL of the rows (default: inferred, kept in the checkpoint)")
     run.add_argument("--max-files-per-trigger", type=int, help="files per micro-batch")
-    run.add_argument("--trigger-seconds", type=float, default=1.0, help="micro-batch interval")
+    run.add_argument(
+        "--trigger-seconds",
+        type=float,
+        default=1.0,
+        help="micro-batch interval (continuous runs; --available-now polls every 0.5 s)",
+    )
     run.add_argument("--topic", default="files", help="topic name recorded for these messages")
     run.add_argument(
         "--msg-id-field",
         help="field with the source's message id (default: derived from key and payload)",
     )
-    run.add_argument("--timeout", type=float, help="stop after this many seconds (continuous)")
+    run.add_argument(
+        "--timeout", type=float, help="stop after this many seconds (continuous runs only)"
+    )
     run.add_argument("--report-json", help="also write the report as JSON to this file")
     run.add_argument(
         "--spark-conf",

@@ -19,9 +19,10 @@ committed offset back until it is settled.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import heapq
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from idem.retry.consumer.topics import MessageQueue
 from idem.retry.message import MessageExt
@@ -53,8 +54,7 @@ class ProcessQueue:
         they reach the top (settling thousands one by one must not shift a list each)."""
         self._size = 0
         self.queue_offset_max = -1
-        self.dropped = False
-        """Set when the queue was taken away (rebalance, reset): results are not committed."""
+        self._dropped = False
         self.locked = False
         """Orderly: this client holds the queue's lock."""
         self.last_lock_ms = 0
@@ -65,6 +65,24 @@ class ProcessQueue:
         """Orderly: a consume request of this queue is scheduled or running."""
         self.take_over_deliveries = False
         """``%RETRY%<group>``: first take over what a previous owner read and did not ack."""
+
+    @property
+    def dropped(self) -> bool:
+        """Set when the queue was taken away (rebalance, reset): results are not committed."""
+        return self._dropped
+
+    @dropped.setter
+    def dropped(self, value: bool) -> None:
+        with self._lock:  # waits for an offset commit in progress (:meth:`unless_dropped`)
+            self._dropped = value
+
+    @contextlib.contextmanager
+    def unless_dropped(self) -> Iterator[bool]:
+        """Hold the queue while committing an offset for it; yields whether it is still
+        assigned. A drop waits for the block to end, so no offset of the old queue
+        lands after a reset moved the queue's offset."""
+        with self._lock:
+            yield not self._dropped
 
     # -- counts --------------------------------------------------------------------------
 

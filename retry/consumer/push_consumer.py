@@ -219,9 +219,11 @@ class PushConsumer:
         self, mq: MessageQueue, pq: ProcessQueue, offset: int, *, increase_only: bool
     ) -> None:
         """``updateConsumeOffset``, unless the queue was dropped (its results do not count)."""
-        if pq.dropped or self.is_retry_queue(mq):
+        if self.is_retry_queue(mq):
             return
-        self.offset_store.update_offset(mq, offset, increase_only)
+        with pq.unless_dropped() as assigned:
+            if assigned:
+                self.offset_store.update_offset(mq, offset, increase_only)
 
     def ack_retried(self, messages: Sequence[MessageExt]) -> None:
         """Retry-topic messages consumed: acknowledged with the next offset persist."""

@@ -6,6 +6,7 @@ On fakeredis; the consumer objects are built but not started (no threads).
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from idem.retry.consumer import (
 )
 from idem.retry.consumer.concurrently import ConcurrentlyService
 from idem.retry.consumer.offset_store import ReadOffsetType
+from idem.retry.consumer.rebalance import RebalanceImpl
 from idem.retry.status import MessageModel
 
 pytestmark = pytest.mark.unit
@@ -141,3 +143,38 @@ def test_a_dropped_process_queue_never_replaces_the_watched_one() -> None:
         assert service.watched() == [(mq, new)]
     finally:
         service.executor.shutdown()
+
+
+def test_an_offset_commit_in_flight_when_a_reset_drops_the_queue_never_lands_after_it(
+    tmp_path: Path,
+) -> None:
+    """A consume thread has checked that its queue is assigned and is writing offset 10
+    when a reset moves the queue back to 0: the reset must win."""
+    consumer = _consumer(tmp_path, fakeredis.FakeRedis())
+    mq = MessageQueue("orders", 0)
+    pq = ProcessQueue(mq)
+    rebalance = RebalanceImpl(
+        client_id="c", model=MessageModel.CLUSTERING, topics=["orders"], hooks=consumer
+    )
+    rebalance.table[mq] = pq
+    consumer.rebalance = rebalance
+    store = consumer.offset_store
+    writing, go_on = threading.Event(), threading.Event()
+    update = store.update_offset
+
+    def slow_first_update(queue: MessageQueue, offset: int, increase_only: bool) -> None:
+        if offset == 10:
+            writing.set()
+            go_on.wait(5)
+        update(queue, offset, increase_only)
+
+    store.update_offset = slow_first_update  # type: ignore[method-assign]
+    committer = threading.Thread(
+        target=consumer.commit_offset, args=(mq, pq), kwargs={"offset": 10, "increase_only": True}
+    )
+    committer.start()
+    assert writing.wait(5)
+    threading.Timer(0.3, go_on.set).start()  # the commit finishes while the reset waits
+    consumer.reset_offsets({mq: 0})
+    committer.join(5)
+    assert store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 0
