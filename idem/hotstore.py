@@ -29,8 +29,8 @@ Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (on a
 Redis Cluster one per primary owning some of the buckets, see
 :mod:`idem.redis_cluster`; the scripts in ``idem/lua/`` document KEYS, ARGV and
 replies). A claim on a single server writes each chunk's call to the connection
-as soon as it is built instead (:class:`ClaimCalls`), so Redis runs it while the
-caller prepares the next. Keys travel as plain ARGV and the scripts prefix them,
+as soon as it is built instead (:class:`~idem.claim_calls.ClaimCalls`), so Redis
+runs it while the caller prepares the next. Keys travel as plain ARGV and the scripts prefix them,
 which keeps Python cheap; every name they build shares the hash tag of the
 declared ``KEYS[1]``. redis-py may resend a pipeline after a
 connection error: every script is safe to run twice (a re-sent claim is ``retaken``).
@@ -44,13 +44,13 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import resources
-from itertools import chain, compress
+from itertools import chain
 from typing import Any
 
 import redis
-from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
+from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import StoreUnavailable
@@ -65,7 +65,6 @@ from idem.hotstore_types import (
 from idem.keys import bucket_of
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient, RoutedPipelines
-from idem.redis_stream import StreamedCalls, not_run
 
 __all__ = [
     "ClaimResult",
@@ -80,7 +79,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_GEN_MS = 3_600_000
 """Width of a claim generation (one hash per bucket): the least time a claim is remembered."""
-CLAIM_CHUNK = 1_000  # keys per claim/release/lookup call (1k-2k measured best)
 COMPLETE_CHUNK = 1_000  # keys per complete call
 INDEX_CHUNK = 5_000  # keys per ledger-load call
 INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at once
@@ -90,19 +88,12 @@ MAX_OWNER_CHARS = 256
 _SPAN_DECLARED = 3  # generations an index call declares as a range (else the exact ones)
 
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
-_NOT_NEW = re.compile("[^N]")
-_CLAIMED = bytes.maketrans(b"NRXDB", b"\x01\x01\x01\x00\x00")
-"""claim.lua's codes as truth values: claimed (N, R, X) or not (D, B)."""
 
 
 def _load_script(client: RedisClient, name: str) -> Script:
     folder = resources.files("idem").joinpath("lua")
     prelude = folder.joinpath("_prelude.lua").read_text(encoding="utf-8")
     return client.register_script(prelude + folder.joinpath(name).read_text(encoding="utf-8"))
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
 def _version(name: str, value: int) -> str:
@@ -221,6 +212,41 @@ class RedisHotStore:
             raise ValueError(f"owner: {len(owner)} characters; the limit is {MAX_OWNER_CHARS}")
         return owner
 
+    # -- what a claim call needs (see :class:`~idem.claim_calls.ClaimCalls`) ---------------
+
+    def claim_route(self, bucket: int, now_ms: int) -> tuple[str, list[str]]:
+        """The hash tag of ``bucket`` and the KEYS of a claim there at ``now_ms``: the
+        watermark, the current and previous completed generations, the claim generations."""
+        tag = self._tags[self._bucket(bucket)]
+        gen = now_ms // self.completed_ttl_ms
+        return tag, [
+            self._wm[bucket],
+            self._completed_name(tag, gen),
+            self._completed_name(tag, gen - 1),
+            *self._claim_names(tag, now_ms),
+        ]
+
+    def claim_arguments(
+        self, now_ms: int, owner: str, *, min_version: int, hold: bool
+    ) -> list[str]:
+        """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow)."""
+        return [
+            str(now_ms), owner, str(self.lease_ms), self._claim_gens,
+            _version("min_version", min_version), self._window, "hold" if hold else "look",
+        ]  # fmt: skip
+
+    @property
+    def claim_script(self) -> Script:
+        """claim.lua, registered on this store's client."""
+        return self._claim
+
+    def run_claims(self, calls: Iterable[tuple[str, list[str], list[str]]]) -> list[Any]:
+        """``(tag, KEYS, ARGV)`` claim calls in one routed round trip; their replies."""
+        pipes = self._pipes()
+        for tag, routing, args in calls:
+            self._claim(keys=routing, args=args, client=pipes.pipe(tag))
+        return self._run(pipes, "claim")
+
     def _pipes(self) -> RoutedPipelines:
         """One round trip per server (per primary on a Cluster) for commands of many buckets."""
         return RoutedPipelines(self.client)
@@ -320,7 +346,7 @@ class RedisHotStore:
         fenced: list[str] = []
         lagging: set[int] = set()
         for (bucket, keys, offset, decides), reply in zip(plan, replies, strict=True):
-            codes = _text(reply[0])
+            codes = as_text(reply[0])
             fenced_here = codes.count("F")
             completed += len(codes) - fenced_here
             if fenced_here:
@@ -384,12 +410,12 @@ class RedisHotStore:
     def _state(self, now: int, cur: Any, prev: Any, claim: Any) -> KeyState:
         for stored in (cur, prev):
             if stored is not None:
-                fingerprint, _, at = _text(stored).rpartition("|")
+                fingerprint, _, at = as_text(stored).rpartition("|")
                 if int(at) + self.completed_ttl_ms > now:
                     return KeyState(
                         KeyStatus.COMPLETED, fingerprint=fingerprint, completed_at_ms=int(at)
                     )
-        return ABSENT if claim is None else _parse_claim(_text(claim))
+        return ABSENT if claim is None else _parse_claim(as_text(claim))
 
     def watermarks(self, buckets: Iterable[int] | None = None) -> dict[int, int | None]:
         """Each bucket's watermark: the ledger version it has indexed, ``None`` if unknown.
@@ -406,7 +432,7 @@ class RedisHotStore:
         replies = self._run(pipes, "watermarks") if wanted else []
         marks: dict[int, int | None] = {}
         for bucket, value in zip(wanted, replies, strict=True):
-            version, _, window = ("" if value is None else _text(value)).partition("|")
+            version, _, window = ("" if value is None else as_text(value)).partition("|")
             if value is not None and window != self._window:
                 log.warning(
                     "bucket %d of group %r was indexed for a dedup window of %s ms, "
@@ -546,140 +572,6 @@ class RedisHotStore:
             self.client.delete(self._wm[self._bucket(bucket)])
         except redis.RedisError as exc:
             raise StoreUnavailable(f"Redis DEL of a watermark failed: {exc}") from exc
-
-
-class ClaimCalls:
-    """One claim of many keys, at one instant: :meth:`add` them, then read :meth:`result`.
-
-    On a single server each call (one EVALSHA per bucket chunk) is written to
-    the connection when added, so Redis runs it while the caller prepares the
-    next part (:class:`~idem.redis_stream.StreamedCalls`); on a Cluster the calls
-    go in one routed round trip at :meth:`result`.
-    """
-
-    def __init__(
-        self, store: RedisHotStore, owner: str, *, min_version: int, hold: bool = True
-    ) -> None:
-        self._store = store
-        self._now = store.clock.now_ms()
-        self._gen = self._now // store.completed_ttl_ms
-        self._head_tail = [
-            str(self._now), owner, str(store.lease_ms), store._claim_gens,
-            _version("min_version", min_version), store._window, "hold" if hold else "look",
-        ]  # fmt: skip
-        self._owner = owner
-        self._hold = hold
-        self._calls: list[tuple[str, list[str], list[str]]] = []  # tag, KEYS, ARGV
-        self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
-        client = store.client
-        self._stream = None if isinstance(client, RedisCluster) else StreamedCalls(client)
-
-    def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
-        """Claim these keys too (each key at most once per claim)."""
-        store, now, gen = self._store, self._now, self._gen
-        for bucket, given in keys_by_bucket.items():
-            store._bucket(bucket)
-            keys = given if isinstance(given, list) else list(given)
-            tag = store._tags[bucket]
-            head = [tag, *self._head_tail]
-            routing = [
-                store._wm[bucket],
-                store._completed_name(tag, gen),
-                store._completed_name(tag, gen - 1),
-                *store._claim_names(tag, now),
-            ]
-            for start in range(0, len(keys), CLAIM_CHUNK):
-                chunk = keys[start : start + CLAIM_CHUNK]
-                args = head + chunk
-                self._calls.append((tag, routing, args))
-                self._plan.append((bucket, chunk))
-                if self._stream is not None:
-                    self._stream.call(store._claim, routing, args)
-
-    def result(self) -> ClaimResult:
-        """Every added key's verdict (reads the replies; raises :class:`StoreUnavailable`)."""
-        replies = self._replies()
-        claimed: list[str] = []
-        retaken: list[str] = []
-        reclaimed: list[str] = []
-        duplicates: dict[str, str] = {}
-        busy: list[str] = []
-        stale: list[str] = []
-        stale_buckets: set[int] = set()
-        for (bucket, chunk), reply in zip(self._plan, replies, strict=True):
-            if reply[0] == 0:
-                stale_buckets.add(bucket)
-                stale.extend(chunk)
-                continue
-            codes = _text(reply[1])
-            if len(codes) != len(chunk):
-                raise StoreUnavailable(
-                    f"Redis claim for group {self._store.group!r} answered {len(codes)} "
-                    f"verdicts for {len(chunk)} keys"
-                )
-            if codes.count("N") == len(chunk):
-                claimed.extend(chunk)
-                continue
-            # N, R and X are claimed; only the (few) other codes are walked one by one.
-            claimed.extend(compress(chunk, codes.encode("ascii").translate(_CLAIMED)))
-            fingerprints = iter(reply[2:])
-            for found in _NOT_NEW.finditer(codes):
-                key, code = chunk[found.start()], found.group()
-                if code == "D":
-                    duplicates[key] = _text(next(fingerprints))
-                elif code == "B":
-                    busy.append(key)
-                elif code == "R":
-                    retaken.append(key)
-                else:  # "X"
-                    reclaimed.append(key)
-        return ClaimResult(
-            claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
-        )
-
-    def abandon(self) -> None:
-        """Give the claim up: read what was sent (never sending it again) and give back the
-        leases this owner holds on the added keys. Best effort: a lease left behind expires."""
-        if self._stream is not None:
-            self._stream.replies()
-        if not (self._hold and self._stream is not None and self._plan):
-            return  # a Cluster claim sends nothing before result(); a lookup holds nothing
-        grouped: dict[int, list[str]] = {}
-        for bucket, chunk in self._plan:
-            grouped.setdefault(bucket, []).extend(chunk)
-        try:
-            self._store.release(grouped, self._owner)
-        except (StoreUnavailable, redis.RedisError):
-            log.warning("giving back the leases of an abandoned claim failed; they will expire")
-
-    def _replies(self) -> list[Any]:
-        """The replies in call order; what could not stream goes through a routed pipeline."""
-        if not self._calls:
-            return []
-        replies = self._stream.replies() if self._stream is not None else None
-        if replies is None:  # a Cluster, or a connection error: it is unknown what ran
-            replies = self._pipelined(range(len(self._calls)))
-        else:
-            again = [i for i, reply in enumerate(replies) if not_run(reply)]
-            for i, reply in zip(again, self._pipelined(again), strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, redis.RedisError):
-                raise StoreUnavailable(
-                    f"Redis claim for group {self._store.group!r} failed: {reply} "
-                    "(the outcome is unknown; read the state again before acting on it)"
-                ) from reply
-        return replies
-
-    def _pipelined(self, indices: Sequence[int]) -> list[Any]:
-        if not indices:
-            return []
-        store = self._store
-        pipes = store._pipes()
-        for i in indices:
-            tag, routing, args = self._calls[i]
-            store._claim(keys=routing, args=args, client=pipes.pipe(tag))
-        return store._run(pipes, "claim")
 
 
 def _calls(

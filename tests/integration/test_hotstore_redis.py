@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from idem import hotstore
+from idem import claim_calls
 from idem.clock import ManualClock
 from idem.errors import StoreUnavailable, UnsafeRedisConfig
 from idem.hotstore import KeyStatus, RedisHotStore
@@ -136,7 +136,7 @@ def test_a_timeout_is_an_unknown_outcome_not_a_failure(
     _index_empty_ledger(_store(real_redis, clock))
     # One script call of 150k new keys runs >= 0.1 s on the server (measured 0.15-0.3 s):
     # several times longer than the client waits.
-    monkeypatch.setattr(hotstore, "CLAIM_CHUNK", 150_000)
+    monkeypatch.setattr(claim_calls, "CLAIM_CHUNK", 150_000)
     keys = {0: [f"K{n}" for n in range(150_000)]}
     impatient = redis_server.client(socket_timeout=0.02, retry=Retry(NoBackoff(), 0))
     with pytest.raises(StoreUnavailable, match="outcome is unknown") as info:

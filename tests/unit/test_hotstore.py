@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from idem import hotstore
+from idem import claim_calls, hotstore
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.errors import StoreUnavailable
@@ -138,7 +138,8 @@ def test_every_key_lands_in_exactly_one_outcome(store: RedisHotStore, clock: Man
 def test_keys_of_one_bucket_are_claimed_in_several_calls(
     store: RedisHotStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(hotstore, "CLAIM_CHUNK", 3)
+    monkeypatch.setattr(claim_calls, "CLAIM_CHUNK", 3)  # claims
+    monkeypatch.setattr(hotstore, "CLAIM_CHUNK", 3)  # release
     store.claim(by_bucket(KEYS[:5]), "a", min_version=-1)
     store.complete(by_bucket(KEYS[:2]), "a", dict.fromkeys(KEYS[:2], FP), version=0)
     result = store.claim(by_bucket(KEYS), "a", min_version=0)

@@ -1,0 +1,159 @@
+"""One claim of many keys at one instant, streamed to Redis as it is built (DESIGN §1 step 2).
+
+:meth:`idem.hotstore.RedisHotStore.start_claim` makes a :class:`ClaimCalls`; the
+caller adds the keys of a batch slice by slice (each bucket chunk is one
+``claim.lua`` call, written to the connection at once on a single server, see
+:mod:`idem.redis_stream`) and reads every verdict with :meth:`ClaimCalls.result`.
+On a Redis Cluster the calls go in one routed round trip at ``result``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from itertools import compress
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from idem.errors import StoreUnavailable
+from idem.hotstore_types import ClaimResult
+from idem.redis_stream import StreamedCalls, not_run
+
+if TYPE_CHECKING:
+    from idem.hotstore import RedisHotStore
+
+log = logging.getLogger("idem.hotstore")
+
+CLAIM_CHUNK = 1_000  # keys per claim/release/lookup call (1k-2k measured best)
+
+_NOT_NEW = re.compile("[^N]")
+_CLAIMED = bytes.maketrans(b"NRXDB", b"\x01\x01\x01\x00\x00")
+"""claim.lua's codes as truth values: claimed (N, R, X) or not (D, B)."""
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text (clients may or may not decode responses)."""
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+class ClaimCalls:
+    """One claim of many keys, at one instant: :meth:`add` them, then read :meth:`result`.
+
+    On a single server each call (one EVALSHA per bucket chunk) is written to
+    the connection when added, so Redis runs it while the caller prepares the
+    next part (:class:`~idem.redis_stream.StreamedCalls`); on a Cluster the calls
+    go in one routed round trip at :meth:`result`.
+    """
+
+    def __init__(
+        self, store: RedisHotStore, owner: str, *, min_version: int, hold: bool = True
+    ) -> None:
+        self._store = store
+        self._now = store.clock.now_ms()
+        self._head_tail = store.claim_arguments(
+            self._now, owner, min_version=min_version, hold=hold
+        )
+        self._owner = owner
+        self._hold = hold
+        self._calls: list[tuple[str, list[str], list[str]]] = []  # tag, KEYS, ARGV
+        self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
+        client = store.client
+        self._stream = None if isinstance(client, RedisCluster) else StreamedCalls(client)
+
+    def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
+        """Claim these keys too (each key at most once per claim)."""
+        store, now, script = self._store, self._now, self._store.claim_script
+        for bucket, given in keys_by_bucket.items():
+            keys = given if isinstance(given, list) else list(given)
+            tag, routing = store.claim_route(bucket, now)
+            head = [tag, *self._head_tail]
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = keys[start : start + CLAIM_CHUNK]
+                args = head + chunk
+                self._calls.append((tag, routing, args))
+                self._plan.append((bucket, chunk))
+                if self._stream is not None:
+                    self._stream.call(script, routing, args)
+
+    def result(self) -> ClaimResult:
+        """Every added key's verdict (reads the replies; raises :class:`StoreUnavailable`)."""
+        replies = self._replies()
+        claimed: list[str] = []
+        retaken: list[str] = []
+        reclaimed: list[str] = []
+        duplicates: dict[str, str] = {}
+        busy: list[str] = []
+        stale: list[str] = []
+        stale_buckets: set[int] = set()
+        for (bucket, chunk), reply in zip(self._plan, replies, strict=True):
+            if reply[0] == 0:
+                stale_buckets.add(bucket)
+                stale.extend(chunk)
+                continue
+            codes = as_text(reply[1])
+            if len(codes) != len(chunk):
+                raise StoreUnavailable(
+                    f"Redis claim for group {self._store.group!r} answered {len(codes)} "
+                    f"verdicts for {len(chunk)} keys"
+                )
+            if codes.count("N") == len(chunk):
+                claimed.extend(chunk)
+                continue
+            # N, R and X are claimed; only the (few) other codes are walked one by one.
+            claimed.extend(compress(chunk, codes.encode("ascii").translate(_CLAIMED)))
+            fingerprints = iter(reply[2:])
+            for found in _NOT_NEW.finditer(codes):
+                key, code = chunk[found.start()], found.group()
+                if code == "D":
+                    duplicates[key] = as_text(next(fingerprints))
+                elif code == "B":
+                    busy.append(key)
+                elif code == "R":
+                    retaken.append(key)
+                else:  # "X"
+                    reclaimed.append(key)
+        return ClaimResult(
+            claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
+        )
+
+    def abandon(self) -> None:
+        """Give the claim up: read what was sent (never sending it again) and give back the
+        leases this owner holds on the added keys. Best effort: a lease left behind expires."""
+        if self._stream is not None:
+            self._stream.replies()
+        if not (self._hold and self._stream is not None and self._plan):
+            return  # a Cluster claim sends nothing before result(); a lookup holds nothing
+        grouped: dict[int, list[str]] = {}
+        for bucket, chunk in self._plan:
+            grouped.setdefault(bucket, []).extend(chunk)
+        try:
+            self._store.release(grouped, self._owner)
+        except (StoreUnavailable, redis.RedisError):
+            log.warning("giving back the leases of an abandoned claim failed; they will expire")
+
+    def _replies(self) -> list[Any]:
+        """The replies in call order; what could not stream goes through a routed pipeline."""
+        if not self._calls:
+            return []
+        replies = self._stream.replies() if self._stream is not None else None
+        if replies is None:  # a Cluster, or a connection error: it is unknown what ran
+            replies = self._pipelined(range(len(self._calls)))
+        else:
+            again = [i for i, reply in enumerate(replies) if not_run(reply)]
+            for i, reply in zip(again, self._pipelined(again), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, redis.RedisError):
+                raise StoreUnavailable(
+                    f"Redis claim for group {self._store.group!r} failed: {reply} "
+                    "(the outcome is unknown; read the state again before acting on it)"
+                ) from reply
+        return replies
+
+    def _pipelined(self, indices: Sequence[int]) -> list[Any]:
+        if not indices:
+            return []
+        return self._store.run_claims(self._calls[i] for i in indices)
