@@ -66,20 +66,37 @@ class RetryPolicy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """A give-up condition; compose with ``|`` (either) and ``&`` (both)."""
+    """A give-up condition; compose with ``|`` (either) and ``&`` (both).
+
+    ``reason`` describes the condition; :meth:`explain` says why it fired for one
+    message (for the DLQ row): of ``a | b`` only the part that fired.
+    """
 
     test: Callable[[DeliveryState], bool]
     reason: str
+    why: Callable[[DeliveryState], str] | None = None
 
     def __call__(self, state: DeliveryState) -> bool:
         """Whether to give up."""
         return self.test(state)
 
+    def explain(self, state: DeliveryState) -> str:
+        """Why this condition gives ``state`` up (call when it does)."""
+        return self.why(state) if self.why is not None else self.reason
+
     def __or__(self, other: Stop) -> Stop:
-        return Stop(lambda s: self(s) or other(s), f"{self.reason} or {other.reason}")
+        return Stop(
+            lambda s: self(s) or other(s),
+            f"{self.reason} or {other.reason}",
+            lambda s: self.explain(s) if self(s) else other.explain(s),
+        )
 
     def __and__(self, other: Stop) -> Stop:
-        return Stop(lambda s: self(s) and other(s), f"{self.reason} and {other.reason}")
+        return Stop(
+            lambda s: self(s) and other(s),
+            f"{self.reason} and {other.reason}",
+            lambda s: f"{self.explain(s)} and {other.explain(s)}",
+        )
 
 
 def stop_after_reconsume_times(limit: int) -> Stop:
@@ -91,7 +108,12 @@ def stop_after_reconsume_times(limit: int) -> Stop:
 
 def stop_on_dead_letter_request() -> Stop:
     """Give up when the consumer asked for it (``delay_level_when_next_consume < 0``)."""
-    return Stop(lambda s: s.requested_level < 0, "delay level < 0 (dead-letter requested)")
+    reason = "delay level < 0 (dead-letter requested)"
+    return Stop(
+        lambda s: s.requested_level < 0,
+        reason,
+        lambda s: f"{reason}: {s.last_error}" if s.last_error else reason,
+    )
 
 
 def stop_after_elapsed(limit_ms: int) -> Stop:
@@ -162,7 +184,7 @@ class ComposedPolicy:
     def __call__(self, state: DeliveryState) -> RetryDecision:
         """Dead if ``stop`` says so, else the backoff's delay."""
         if self.stop(state):
-            return RetryDecision(None, self.stop.reason)
+            return RetryDecision(None, self.stop.explain(state))
         return RetryDecision(self.backoff(state))
 
     def __or__(self, stop: Stop) -> ComposedPolicy:

@@ -622,3 +622,7 @@ def test_a_key_that_is_not_text_is_dead_lettered_under_its_printed_value(
     [letter] = dead_letters(config)
     assert letter.key == "12.50"
     assert "order_id: key must be text, got Decimal" in (letter.last_error or "")
+    # The row says why it is dead: the bad key, not the reconsume limit it never reached.
+    assert "dead-letter requested" in letter.reason
+    assert "order_id: key must be text, got Decimal" in letter.reason
+    assert "reconsume times" not in letter.reason
