@@ -136,9 +136,12 @@ def replay(
             raise RuntimeError(
                 f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
             )
-        marked += engine.dlq.mark_replayed(chunk, at_ms=now, by=by)
+        # A letter the policy dead-letters again at once stays DEAD: it was not replayed.
+        again = {(o.origin_msg_id, o.msg_id) for o in result.dead}
+        left = [d for d in chunk if (d.origin_msg_id, d.msg_id) not in again]
+        marked += engine.dlq.mark_replayed(left, at_ms=now, by=by)
         StatsStore(engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms).add(
-            "dlq_replayed", len(chunk)
+            "dlq_replayed", len(left)
         )
         if progress is not None:
             progress(min(start + len(chunk), total), total)

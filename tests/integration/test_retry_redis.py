@@ -22,7 +22,16 @@ from idem.cli import main as idem_main
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
-from idem.retry import MessageExt, RetryEngine, RetryTopic, audit_states
+from idem.retry import (
+    DeadLetterStatus,
+    MessageExt,
+    RetryEngine,
+    RetryTopic,
+    RocketMQLadder,
+    audit_states,
+    stop_after_elapsed,
+)
+from idem.spark.dlq import Selection, replay
 
 pytestmark = pytest.mark.integration
 
@@ -211,3 +220,26 @@ def test_retry_engine_refuses_an_evicting_redis(tmp_path: Path) -> None:
         )
         with pytest.raises(UnsafeRedisConfig, match="volatile-lru"):
             engine.check()
+
+
+def test_a_replayed_dead_letter_that_dies_again_at_once_stays_dead(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    # A policy that gives up after an hour: the replay of an old dead letter dies again
+    # on its first send-back. Its row must stay DEAD (listed, replayable once fixed),
+    # not be marked REPLAYED.
+    clock = ManualClock()
+    policy = RocketMQLadder().composed() | stop_after_elapsed(3_600_000)
+    engine = RetryEngine(
+        _config(tmp_path, redis_server, "redie"), client=real_redis, clock=clock, policy=policy
+    )
+    engine.send_back(_messages(1))
+    clock.advance(2 * 3600)
+    engine.tick()
+    assert engine.send_back(engine.poll_retry("c", 10)).dead
+    clock.advance(60)
+    result = replay(engine, Selection(everything=True))
+    assert (result.dead_again, result.marked) == (1, 0)
+    [row] = engine.dlq.list()
+    assert row.status is DeadLetterStatus.DEAD
+    assert engine.pending() == 0
