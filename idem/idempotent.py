@@ -136,6 +136,11 @@ class _IdempotentCall(Generic[R]):
     """One decorated function: resolves key and fingerprint, runs it once per key."""
 
     def __init__(self, func: Callable[..., R], settings: _Settings) -> None:
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise ConfigError(
+                f"idempotent: {func.__qualname__} is async; its body runs only when awaited, "
+                "after the key would be completed. Decorate a synchronous function"
+            )
         self.func = func
         self.s = settings
         self.signature = inspect.signature(func)
@@ -173,10 +178,25 @@ class _IdempotentCall(Generic[R]):
             kwargs = {**kwargs, self.s.pass_key_as: the_key}
         try:
             value = self.func(*args, **kwargs)
+            if inspect.isawaitable(value):
+                _close(value)
+                raise ConfigError(
+                    f"idempotent: {self.func.__qualname__} returned an awaitable; its work "
+                    "would run after the key is completed. Decorate a synchronous function"
+                )
         except BaseException:
             dd.release(claim)
             raise
-        stored = _to_json(value, what="result") if self.s.replay_result else None
+        try:
+            stored = _to_json(value, what="result") if self.s.replay_result else None
+        except SerializationError as exc:
+            # The body ran: its key is completed all the same (running it again is what
+            # this decorator exists to prevent), without a result to replay.
+            dd.complete(claim, batch_id=0)
+            raise SerializationError(
+                f"{exc}; the call ran and key {the_key!r} is completed, but a repeat cannot "
+                "return this result (replay_result needs JSON values)"
+            ) from exc
         dd.complete(claim, batch_id=0, results={0: stored} if stored is not None else None)
         return value
 
@@ -201,6 +221,13 @@ class _IdempotentCall(Generic[R]):
             return None
         stored = dd.ledger.lookup_results([the_key]).get(the_key)
         return cast(R, json.loads(stored)) if stored else None
+
+
+def _close(awaitable: object) -> None:
+    """Close a coroutine that will never be awaited (no "never awaited" warning)."""
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()
 
 
 def _field(key: KeySource) -> str:

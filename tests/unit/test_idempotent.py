@@ -11,7 +11,7 @@ import redis
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.dedup import Dedup
-from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch
+from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch, SerializationError
 from idem.idempotent import idempotent
 
 
@@ -143,3 +143,39 @@ def test_misconfiguration_is_refused() -> None:
         idempotent(key="x")
     with pytest.raises(ConfigError, match="pass_key_as"):
         idempotent(key="x", config=IdemConfig(group="g"), pass_key_as="nope")(lambda x: x)
+
+
+def test_an_async_function_is_refused_instead_of_completed_before_it_runs(dedup: Dedup) -> None:
+    with pytest.raises(ConfigError, match="charge is async"):
+
+        @idempotent(key="order_id", dedup=dedup)
+        async def charge(order_id: str) -> None:
+            raise RuntimeError("never reached")
+
+    def sneaky(order_id: str) -> object:
+        async def later() -> None:
+            return None
+
+        return later()
+
+    wrapped = idempotent(key="order_id", dedup=dedup)(sneaky)
+    with pytest.raises(ConfigError, match="returned an awaitable"):
+        wrapped("ORDER-1")
+    # The key was given back, not completed: a proper retry runs.
+    assert dedup.begin(["ORDER-1"], owner="retry").fresh == (0,)
+
+
+def test_a_result_that_is_not_json_still_completes_the_key_so_the_body_never_runs_twice(
+    dedup: Dedup,
+) -> None:
+    runs: list[str] = []
+
+    @idempotent(key="order_id", dedup=dedup, replay_result=True)
+    def charge(order_id: str) -> object:
+        runs.append(order_id)
+        return object()
+
+    with pytest.raises(SerializationError, match="the call ran and key 'ORDER-1' is completed"):
+        charge("ORDER-1")
+    assert charge("ORDER-1") is None  # a repeat: not run again
+    assert runs == ["ORDER-1"]
