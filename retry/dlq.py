@@ -27,6 +27,7 @@ from deltalake.schema import Field, PrimitiveType
 from deltalake.transaction import CommitProperties, Transaction
 
 from idem.clock import SYSTEM_CLOCK, Clock
+from idem.errors import ConfigError
 from idem.ledger import read_table
 from idem.retry.errors import DeadLetterError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
@@ -241,7 +242,14 @@ class DeadLetterTable:
 
     def _table(self, *, create: bool) -> DeltaTable | None:
         if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
-            return DeltaTable(self.path, storage_options=self.storage_options)
+            table = DeltaTable(self.path, storage_options=self.storage_options)
+            name = table.metadata().name
+            if name and name != self.name:
+                raise ConfigError(
+                    f"dlq_path: the table at {self.path} is {name!r}, not {self.name!r}; "
+                    "give each group its own dead-letter table"
+                )
+            return table
         if not create:
             return None
         try:

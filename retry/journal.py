@@ -25,6 +25,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import CommitProperties, Transaction
 
+from idem.errors import ConfigError
 from idem.retry.errors import JournalError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal_base import (
@@ -83,6 +84,7 @@ class RetryJournal:
         self.group = group
         self.storage_options = dict(storage_options) if storage_options else None
         self.faults = faults
+        self._name = f"retry journal of {group}"
         self._table: DeltaTable | None = None
         self._lock = threading.RLock()
 
@@ -218,7 +220,7 @@ class RetryJournal:
             self.path,
             schema=JOURNAL_SCHEMA,
             mode="ignore",  # another writer may have created it a moment ago
-            name=f"retry journal of {self.group}",
+            name=self._name,
             configuration=JOURNAL_CONFIGURATION,
             storage_options=self.storage_options,
         )
@@ -232,7 +234,14 @@ class RetryJournal:
         if self._table is None:
             if not DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
                 return None
-            self._table = DeltaTable(self.path, storage_options=self.storage_options)
+            table = DeltaTable(self.path, storage_options=self.storage_options)
+            name = table.metadata().name
+            if name and name != self._name:
+                raise ConfigError(
+                    f"journal_path: the table at {self.path} is {name!r}, not the retry "
+                    f"journal of group {self.group!r}; give each group its own journal"
+                )
+            self._table = table
         else:
             self._table.update_incremental()
         return self._table
@@ -303,6 +312,7 @@ class RetryJournal:
         stands right before it, its events are applied without reading them back.
         """
         total = ApplyResult()
+        self._follow(store)
         while True:
             raw = store.cursor()
             named = parse_base_cursor(raw)
@@ -424,6 +434,23 @@ class RetryJournal:
         version = self.append(rows, metadata={BASE_OF: str(covers)})
         assert version is not None  # a base commit is written even when nothing is live
         return JournalBase(version=version, covers=covers, live=tuple(rows))
+
+    def _follow(self, store: ScheduleStore) -> None:
+        """Refuse a Redis whose cursor belongs to another journal table (this journal was
+        re-created, moved without its log, or restored from elsewhere): its positions mean
+        nothing here, and events before it would be skipped for good."""
+        with self._lock:
+            table = self._load()
+            journal_id = None if table is None else str(table.metadata().id)
+        if journal_id is None:
+            return
+        followed = store.follow(journal_id)
+        if followed is not None:
+            raise JournalError(
+                f"retry journal {self.path}: Redis follows another journal table "
+                f"({followed}, this one is {journal_id}); its cursor does not apply here. "
+                f"Rebuild Redis from this journal: idem retry rebuild --group {self.group}"
+            )
 
     def rebuild(self, store: ScheduleStore) -> ApplyResult:
         """Rebuild the group's Redis side from the journal alone (cleared first: applying a

@@ -96,6 +96,11 @@ class RetryKeys:
         return f"{self.prefix}:journal:cursor"
 
     @property
+    def journal(self) -> str:
+        """The Delta table id of the retry journal this Redis follows (its cursor's table)."""
+        return f"{self.prefix}:journal:id"
+
+    @property
     def compacted(self) -> str:
         """Marker that the group's journal was compacted recently (expires after the interval)."""
         return f"{self.prefix}:journal:compacted"
@@ -237,6 +242,17 @@ class ScheduleStore:
             )
             total += ApplyResult(int(reply[1]), int(reply[2]), int(reply[3]))
         return total
+
+    def follow(self, journal_id: str) -> str | None:
+        """Bind this group's Redis state to the journal table ``journal_id``; returns the id
+        it already follows when that is another table (then nothing is changed)."""
+        key = self.keys.journal
+        if self.client.set(key, journal_id, nx=True):
+            return None
+        current = self.client.get(key)
+        if current is None or _text(current) == journal_id:
+            return None
+        return _text(current)
 
     def cursor(self) -> str | None:
         """The journal position applied so far (``None``: lost or never set)."""

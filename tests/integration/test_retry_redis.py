@@ -7,6 +7,7 @@ Every test ends with the invariant: each message is in exactly one of done / ret
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import redis
 from idem.cli import main as idem_main
 from idem.clock import ManualClock
 from idem.config import IdemConfig
+from idem.errors import ConfigError
 from idem.redis_server import RedisServer
 from idem.retry import (
     DeadLetterStatus,
@@ -28,9 +30,11 @@ from idem.retry import (
     RetryEngine,
     RetryTopic,
     RocketMQLadder,
+    SendBackStatus,
     audit_states,
     stop_after_elapsed,
 )
+from idem.retry.errors import JournalError
 from idem.spark.dlq import Selection, replay
 
 pytestmark = pytest.mark.integration
@@ -243,3 +247,41 @@ def test_a_replayed_dead_letter_that_dies_again_at_once_stays_dead(
     [row] = engine.dlq.list()
     assert row.status is DeadLetterStatus.DEAD
     assert engine.pending() == 0
+
+
+def test_a_recreated_journal_is_refused_until_redis_is_rebuilt_from_it(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    # The journal is wiped and starts again at version 0 while Redis's cursor stands at
+    # the old journal's later version: applying from that cursor would skip the new
+    # journal's events for good, send-backs reported SCHEDULED and never delivered.
+    config = _config(tmp_path, redis_server, "moved")
+    RetryEngine(config, client=real_redis, clock=ManualClock()).send_back(_messages(3))
+    shutil.rmtree(config.resolved_journal_path)
+    engine = RetryEngine(config, client=real_redis, clock=ManualClock())
+    with pytest.raises(JournalError, match="idem retry rebuild --group moved"):
+        engine.send_back(_messages(2, prefix="N"))
+    engine.rebuild()  # what the error asks for: Redis now follows this journal
+    again = engine.send_back(_messages(2, prefix="N"))
+    assert [o.status for o in again.outcomes] == [SendBackStatus.SCHEDULED] * 2
+    assert engine.pending() == 2
+
+
+def test_one_journal_or_dlq_path_for_two_groups_is_refused(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    orders = _config(tmp_path, redis_server, "orders")
+    shared = {
+        "journal_path": orders.resolved_journal_path,
+        "dlq_path": orders.resolved_dlq_path,
+    }
+    first = RetryEngine(orders, client=real_redis, clock=ManualClock())
+    first.send_back(_messages(1))
+    first.dead_letter(_messages(1, prefix="D"), reason="poison")
+    payments = _config(tmp_path, redis_server, "payments", **shared)
+    other = RetryEngine(payments, client=real_redis, clock=ManualClock())
+    with pytest.raises(ConfigError, match=r"journal_path: .* not the retry journal of group"):
+        other.send_back(_messages(1, prefix="P"))
+    with pytest.raises(ConfigError, match=r"dlq_path: .* is '%DLQ%orders', not '%DLQ%payments'"):
+        other.dlq.list()
+    assert first.pending() == 1  # orders' retry is untouched
