@@ -86,6 +86,19 @@ def _frozen(properties: Mapping[str, str]) -> Mapping[str, str]:
     return MappingProxyType(dict(properties))
 
 
+def _check_text(field: str, value: str | None) -> None:
+    """Refuse text that cannot be stored as UTF-8 (a lone surrogate, e.g. JSON's "\udcff"):
+    Redis, Arrow and Delta could not hold the message, nor its dead letter."""
+    if value is None or value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{field}: not valid Unicode text ({exc.reason} at character {exc.start})"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class MessageExt:
     """A message as the consumer sees it (RocketMQ's ``MessageExt``).
@@ -123,6 +136,13 @@ class MessageExt:
         ]
         if bad:
             raise TypeError(f"properties: keys and values must be strings (bad: {bad[:3]!r})")
+        _check_text("topic", self.topic)
+        _check_text("msg_id", self.msg_id)
+        _check_text("keys", self.keys)
+        _check_text("tags", self.tags)
+        for name, value in self.properties.items():
+            _check_text(f"properties[{name!r}]", name)
+            _check_text(f"properties[{name!r}]", value)
         object.__setattr__(self, "properties", _frozen(self.properties))
 
     @property
@@ -246,22 +266,36 @@ class FailureRecord:
         return cls(at_ms, "ConsumeFailed", text[:MAX_ERROR_MESSAGE_CHARS])
 
 
+MAX_TIMESTAMP_MS: Final = 253_402_300_799_999
+"""The last millisecond of year 9999: later "times" are garbage, not dates."""
+
+
 def failure_history(message: MessageExt) -> tuple[FailureRecord, ...]:
     """The failures recorded on ``message`` (``IDEM_ERRORS``), oldest first."""
     raw = message.properties.get(MessageConst.PROPERTY_ERRORS)
     if not raw:
         return ()
     try:
-        items = json.loads(raw)
-        return tuple(FailureRecord(int(i["at"]), str(i["type"]), str(i["message"])) for i in items)
+        records = []
+        for item in json.loads(raw):
+            at, kind, text = int(item["at"]), str(item["type"]), str(item["message"])
+            if not 0 <= at <= MAX_TIMESTAMP_MS:
+                raise ValueError(f"at: {at} is not a time")
+            kind.encode("utf-8")  # a lone surrogate from a JSON escape raises here
+            text.encode("utf-8")
+            records.append(FailureRecord(at, kind, text))
+        return tuple(records)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return ()  # a foreign producer's garbage must not stop a send-back
 
 
 def first_failed_at(message: MessageExt, default_ms: int) -> int:
-    """When the message first failed (``IDEM_FIRST_FAILED_AT``), else ``default_ms``."""
+    """When the message first failed (``IDEM_FIRST_FAILED_AT``), else ``default_ms`` (also
+    for a value that is not a plausible time: a foreign producer's garbage)."""
     raw = message.properties.get(MessageConst.PROPERTY_FIRST_FAILED_AT, "")
-    return int(raw) if raw.isdigit() else default_ms
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_TIMESTAMP_MS:
+        return default_ms
+    return int(raw)
 
 
 def failure_properties(message: MessageExt, failure: FailureRecord) -> dict[str, str]:

@@ -26,7 +26,7 @@ from typing import Any, cast
 import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.errors import ConfigError
+from idem.errors import ConfigError, SerializationError
 from idem.redis_cluster import RedisClient
 from idem.retry.message import MessageExt
 
@@ -158,7 +158,7 @@ class TopicStore:
             data["queue_offset"] = offset
             data["store_timestamp"] = int(_text(values.get("t", b"0")))
             return MessageExt.from_dict(data)
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError, SerializationError) as exc:
             # Not a message idem's producer wrote: it still has its offset, so it must not
             # stop the queue. It goes on as a placeholder the consumer dead-letters.
             reason = (

@@ -36,6 +36,7 @@ from idem.retry.consumer import (
     pull,
 )
 from idem.retry.dlq import DeadLetterTable
+from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.retry.status import (
     ConsumeConcurrentlyContext,
@@ -331,3 +332,50 @@ def test_an_offset_beyond_the_broker_is_reset_to_the_brokers(
     eventually(lambda: {f"NEW{i}" for i in range(4)} <= set(got.keys()))
     eventually(lambda: sum(consumer_offsets(real_redis, config.group).values()) == 4)
     assert consumer.stats.snapshot()["consumed_ok"] == 12
+
+
+def test_entries_with_a_bad_body_or_a_key_that_is_not_unicode_are_dead_lettered(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    """A foreign producer's envelope whose body is not base64, or whose key is a lone
+    surrogate (JSON's "\\udcff", which Redis, Arrow and Delta cannot hold): each becomes
+    one DLQ row with its reason, and the queue moves on."""
+    topics = TopicStore(real_redis)
+    mq = MessageQueue("orders", 0)
+    key = TopicStore.queue_key(mq)
+    topics.put(mq, [new_message("orders", b"{}", keys="K0")])
+    real_redis.xadd(key, {"m": '{"topic":"orders","msg_id":"B1","body":"*not base64*"}'}, id="0-*")
+    real_redis.xadd(key, {"m": '{"topic":"orders","msg_id":"B2","keys":"K\\udcff"}'}, id="0-*")
+    topics.put(mq, [new_message("orders", b"{}", keys="K3")])
+    got = Recorder()
+    start(config, got, consumers)
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 4)
+    assert got.keys() == ["K0", "K3"]
+    letters = DeadLetterTable(config.resolved_dlq_path, config.group).list()
+    errors = sorted(letter.last_error or "" for letter in letters)
+    assert len(errors) == 2
+    assert "body is not base64" in errors[0]
+    assert "keys: not valid Unicode text" in errors[1]
+
+
+def test_garbage_failure_properties_do_not_stop_a_send_back_or_a_dead_letter(
+    real_redis: redis.Redis, config: IdemConfig
+) -> None:
+    engine = RetryEngine(config, client=real_redis)
+    garbage = [
+        {"IDEM_FIRST_FAILED_AT": "\u00b2"},  # a digit to str.isdigit, not to int()
+        {"IDEM_FIRST_FAILED_AT": "99999999999999999"},  # past year 9999
+        {"IDEM_ERRORS": '[{"at":100000000000000000,"type":"X","message":"m"}]'},
+        {"IDEM_ERRORS": '[{"at":1,"type":"\\udcff","message":"m"}]'},
+    ]
+    bad = [
+        MessageExt("orders", f"G{i}", b"{}", keys=f"K{i}", properties=p)
+        for i, p in enumerate(garbage)
+    ]
+    good = MessageExt("orders", "OK", b"{}", keys="KOK")
+    sent = engine.send_back([*bad, good])
+    assert sent.acknowledged
+    assert engine.pending() == 5
+    dead = engine.dead_letter(bad, reason="bad input")
+    assert len(dead.dead) == 4
+    assert len(engine.dlq.list()) == 4
