@@ -109,6 +109,11 @@ def bench_redis(server: RedisServer, n_keys: int, repeat: int) -> None:
     client.close()
 
 
+def _used_memory(server: RedisServer) -> int:
+    """Redis's ``used_memory`` in bytes (what its keys and structures take)."""
+    return int(server.client().info("memory")["used_memory"])
+
+
 def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int) -> None:
     from _ledger_fixture import build_ledger, fresh_keys, plain_merge_seconds
 
@@ -126,10 +131,12 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
             build_ledger(config.resolved_ledger_path, size, buckets=config.buckets)
             built = time.perf_counter() - started
             server.client().flushall()
+            empty = _used_memory(server)
             dd = Dedup(config)
             started = time.perf_counter()
             dd.catch_up()  # the honest way: Redis indexes the whole window of N keys
             indexed = time.perf_counter() - started
+            per_million = (_used_memory(server) - empty) / size * 1e6 / 2**20
             runs = []
             for round_ in range(repeat):
                 # interleaved with the ledger's keys, so no file is skipped by key statistics
@@ -143,7 +150,8 @@ def bench_ledger(server: RedisServer, sizes: list[int], n_keys: int, repeat: int
             merge = plain_merge_seconds(config.resolved_ledger_path, n_keys, buckets=config.buckets)
             results[size] = (_best(runs), merge)
             print(
-                f"  N={size:>11,}  ledger built {built:6.1f}s  Redis indexed {indexed:6.1f}s  "
+                f"  N={size:>11,}  ledger built {built:6.1f}s  Redis indexed {indexed:6.1f}s "
+                f"({per_million:.0f} MiB per 1M keys)  "
                 f"batch {_best(runs):6.3f}s (median {statistics.median(runs):.3f}s)  "
                 f"plain MERGE {merge:6.3f}s"
             )

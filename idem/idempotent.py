@@ -77,7 +77,11 @@ def idempotent(
     on_dead_letter: Callable[[str, PayloadMismatch], None] | None = None,
     pass_key_as: str | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
-    """Make a callable run at most once per business key (and group).
+    """Make a callable run once per business key (and group) within the dedup window.
+
+    A call holds its key for ``lease_ms``: a call running longer can be started
+    again by another caller, and a crash inside the body runs it again once the
+    lease has expired (the key was never completed).
 
     - ``key``: dotted path into the bound arguments, or a callable taking the
       same arguments and returning the key.

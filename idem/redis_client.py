@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -96,3 +97,13 @@ def _check_one(client: redis.Redis) -> None:
             "or CONFIG SET maxmemory-policy noeviction then CONFIG REWRITE; on a managed "
             "Redis, in its parameter group)"
         )
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -34,7 +34,7 @@ from redis.exceptions import RedisClusterException
 from idem.config import IdemConfig
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 from idem.ledger import read_table
-from idem.redis_client import connect
+from idem.redis_client import connect, redacted
 from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
@@ -181,12 +181,12 @@ def check_redis(url: str, timeout: float = 3.0) -> RedisClient:
     try:
         client = connect(url, connect_timeout=timeout)
     except (redis.RedisError, RedisClusterException) as exc:
-        raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+        raise StoreUnavailable(f"cannot reach Redis at {redacted(url)}: {exc}") from exc
     try:
         client.ping()
     except redis.RedisError as exc:
         client.close()
-        raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+        raise StoreUnavailable(f"cannot reach Redis at {redacted(url)}: {exc}") from exc
     return client
 
 

@@ -282,15 +282,23 @@ def test_idem_acl_user_can_do_idems_work_and_nothing_destructive(tmp_path: Path)
         idem.close()
 
 
-def _redis_py_command(method: str) -> tuple[str, ...] | None:
-    """``("config", "get")`` for ``config_get``: read off redis-py's own method."""
+def _redis_py_command(method: str, *, depth: int = 1) -> tuple[str, ...] | None:
+    """``("config", "get")`` for ``config_get``: read off redis-py's own method (or, for a
+    helper such as ``scan_iter``, off the method it calls: ``scan``)."""
     function = getattr(redis.Redis, method, None)
     try:
         source = inspect.getsource(function) if callable(function) else ""
     except (OSError, TypeError):
         return None
     match = re.search(r'execute_command\(\s*"([A-Z][A-Z ]*)"', source)
-    return tuple(match.group(1).lower().split()) if match else None
+    if match:
+        return tuple(match.group(1).lower().split())
+    if depth > 0:
+        for called in re.findall(r"\bself\.(\w+)\(", source):
+            found = _redis_py_command(called, depth=depth - 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _commands_idem_sends() -> dict[tuple[str, ...], str]:
