@@ -66,7 +66,7 @@ def embedded_redis() -> Iterator[EmbeddedRedis]:
         finally:
             server.stop()
         return
-    from fakeredis import TcpFakeServer  # noqa: PLC0415 - a dev extra, only without redis-server
+    from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
 
     port = free_port()
     fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")

@@ -15,11 +15,15 @@ a cluster job; only :data:`SUBMITTED_DEFAULTS` fill settings left unset.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
+
+from idem.errors import ConfigError
 
 LOCAL_DEFAULTS: Mapping[str, str] = {
     "spark.ui.enabled": "false",
@@ -91,6 +95,7 @@ def local_session(
         return active
     if master is None and master_configured():
         return _submitted_session(conf or {}, log_level)
+    _check_java()
     builder = SparkSession.builder.master(master or "local[2]").appName(app_name)
     settings = dict(LOCAL_DEFAULTS)
     if fast_start:
@@ -101,6 +106,18 @@ def local_session(
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level)
     return spark
+
+
+def _check_java() -> None:
+    """Say plainly that PySpark needs a JVM, instead of its own error from deep inside."""
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").exists():
+        return
+    if shutil.which("java") is None:
+        raise ConfigError(
+            "java: PySpark needs Java 17 or later and none was found (no java on PATH, "
+            "JAVA_HOME unset); install one, e.g. apt-get install openjdk-17-jre-headless"
+        )
 
 
 def _submitted_session(conf: Mapping[str, str], log_level: str) -> SparkSession:
