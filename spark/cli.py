@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,11 @@ def _fail(code: int, message: str) -> int:
 
 
 def _add_config_options(parser: argparse.ArgumentParser, *, group_required: bool = True) -> None:
-    parser.add_argument("--group", required=group_required, help="consumer group (IDEM_GROUP)")
+    parser.add_argument(
+        "--group",
+        required=group_required and not os.environ.get("IDEM_GROUP"),
+        help="consumer group (default: IDEM_GROUP)",
+    )
     parser.add_argument("--redis-url", help="redis:// URL (IDEM_REDIS_URL)")
     parser.add_argument("--data-dir", help="where the group's Delta tables live (IDEM_DATA_DIR)")
     parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
