@@ -1,11 +1,13 @@
 """``idem schedule`` and ``idem retry {rebuild,compact,stats}``.
 
 ``idem schedule --group G`` runs the group's schedule service in the
-foreground until interrupted (SIGINT / SIGTERM); ``idem retry rebuild`` clears
-the group's Redis side and rebuilds it from the Delta retry journal; ``idem
-retry compact`` snapshots the live messages into the journal so that rebuilds
-start from the snapshot instead of version 0; ``idem retry stats`` prints what
-is scheduled, in the retry topic and in the journal.
+foreground until interrupted (SIGINT / SIGTERM); it exits 1 if the service's
+thread ever ends on its own (the service outlives Redis's errors, so that is a
+bug, and a supervisor should restart the process). ``idem retry rebuild``
+clears the group's Redis side and rebuilds it from the Delta retry journal;
+``idem retry compact`` snapshots the live messages into the journal so that
+rebuilds start from the snapshot instead of version 0; ``idem retry stats``
+prints what is scheduled, in the retry topic and in the journal.
 """
 
 from __future__ import annotations
@@ -68,16 +70,33 @@ def _schedule(args: argparse.Namespace) -> int:
         flush=True,
     )
     service.start()
+    code = 0
     try:
         while not stop.wait(0.5):
-            pass
+            if not service.alive and not stop.is_set():
+                # the service logs and outlives Redis's errors; this is a bug: exit, so that
+                # a supervisor (systemd, Kubernetes) restarts the process and someone looks
+                print(
+                    f"idem schedule: error: the schedule service of group {engine.group} "
+                    f"stopped: {_describe(service.failure)}; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                code = 1
+                break
     except KeyboardInterrupt:
         pass
     finally:
         service.stop()
         print(f"idem schedule: moved {service.moved_total} message(s)", file=sys.stderr)
         engine.close()
-    return 0
+    return code
+
+
+def _describe(failure: BaseException | None) -> str:
+    if failure is None:
+        return "its thread ended without an error"
+    return f"{type(failure).__name__}: {failure}"
 
 
 def _rebuild(args: argparse.Namespace) -> int:

@@ -7,6 +7,14 @@ message with one Lua call per batch of up to ``batch_size``. Several services
 may run for one group (threads, processes, hosts): each move is one atomic
 script, so no message is moved twice. It also brings Redis up to date with the
 retry journal every ``sync_interval_ms`` (and rebuilds it when Redis lost it).
+
+A running service outlives every error Redis answers with, not only an outage:
+a full Redis (``OOM`` under the ``noeviction`` policy idem requires), a refused
+write (``MISCONF``) or any other error reply is logged and retried after a
+bounded backoff, and the service resumes moving once Redis accepts writes
+again. Only an error that is not Redis's nor idem's (a bug) ends its thread;
+:attr:`ScheduleService.alive` and :attr:`ScheduleService.failure` tell, and
+``idem schedule`` exits non-zero on it so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import IdemError
 from idem.retry.faults import REDIS_TRANSIENT
@@ -24,8 +34,19 @@ from idem.retry.store import ScheduleStore
 
 log = logging.getLogger(__name__)
 
-SYNC_FAILURES: tuple[type[BaseException], ...] = (IdemError, *REDIS_TRANSIENT)
-"""What a background journal sync may fail with and still be retried at the next interval."""
+SYNC_FAILURES: tuple[type[BaseException], ...] = (IdemError, redis.exceptions.RedisError)
+"""What a background journal sync may fail with and still be retried at the next interval:
+idem's own errors and every error of Redis (an outage, or an error reply such as ``OOM``)."""
+
+SERVICE_FAILURES: tuple[type[BaseException], ...] = (IdemError, redis.exceptions.RedisError)
+"""What the moving loop outlives (logged, retried after a backoff); anything else ends it."""
+
+INITIAL_BACKOFF_S = 0.05
+"""First wait after a failed step of the moving loop; it doubles on every failure in a row."""
+
+MAX_BACKOFF_S = 1.0
+"""Longest wait between two attempts of the moving loop while Redis fails, so that due
+messages move again within a second once Redis recovers."""
 
 DEFAULT_BATCH_SIZE = 5000
 """Messages moved per Lua call (about 10 ms of Redis time)."""
@@ -79,6 +100,8 @@ class ScheduleService:
         self._last_maintenance_ms: int | None = None
         self._next_due_ms: int | None = None
         self._sync_thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        """The unexpected error that ended the service's thread (``None``: none did)."""
 
     # -- one step ------------------------------------------------------------------------
 
@@ -92,6 +115,9 @@ class ScheduleService:
             self.sync()
         except SYNC_FAILURES:
             log.warning("%s: journal sync failed; retrying later", self.name, exc_info=True)
+        except Exception:
+            # a safety net that is tried again every interval: moving must go on meanwhile
+            log.exception("%s: journal sync failed unexpectedly; retrying later", self.name)
 
     def _maybe_maintain(self, now_ms: int) -> None:
         if self.maintenance is None:
@@ -104,6 +130,8 @@ class ScheduleService:
             self.maintenance()
         except SYNC_FAILURES:
             log.warning("%s: journal maintenance failed; retrying later", self.name, exc_info=True)
+        except Exception:
+            log.exception("%s: journal maintenance failed unexpectedly; retrying later", self.name)
 
     def tick(self) -> int:
         """Move every message due now; returns how many were moved.
@@ -146,7 +174,7 @@ class ScheduleService:
         probe_s = min(LOST_CURSOR_PROBE_MS, max(self.sync_interval_ms, 10)) / 1000
         while not self._stop.wait(probe_s):
             lost = False
-            with contextlib.suppress(*REDIS_TRANSIENT):
+            with contextlib.suppress(redis.exceptions.RedisError):
                 lost = self.store.cursor() is None
             if lost:
                 self._last_sync_ms = None
@@ -170,7 +198,8 @@ class ScheduleService:
 
     def _run(self) -> None:
         pubsub: Any = None
-        backoff_s = 0.05
+        backoff_s = INITIAL_BACKOFF_S
+        failures = 0
         while not self._stop.is_set():
             try:
                 if pubsub is None:
@@ -180,6 +209,8 @@ class ScheduleService:
                     pubsub.subscribe(self.store.keys.wake_channel)
                     self._next_due_ms = self.clock.now_ms()  # look once right away
                 if self._move(self.clock.now_ms()):
+                    self._recovered(failures)
+                    failures, backoff_s = 0, INITIAL_BACKOFF_S
                     continue  # more may have come due while moving
                 wait_ms = self._wait_ms()
                 if wait_ms > 0:
@@ -187,11 +218,11 @@ class ScheduleService:
                     message = pubsub.get_message(timeout=wait_ms / 1000)
                     while message is not None:  # drain the burst of wake-ups
                         message = pubsub.get_message(timeout=0)
-                backoff_s = 0.05
-            except REDIS_TRANSIENT as exc:
-                log.warning(
-                    "%s: Redis unavailable (%s); retrying in %.2fs", self.name, exc, backoff_s
-                )
+                self._recovered(failures)
+                failures, backoff_s = 0, INITIAL_BACKOFF_S
+            except SERVICE_FAILURES as exc:
+                self._log_failure(exc, failures, backoff_s)
+                failures += 1
                 if pubsub is not None:
                     try:
                         pubsub.close()
@@ -199,27 +230,78 @@ class ScheduleService:
                         log.debug("closing pubsub failed", exc_info=True)
                     pubsub = None
                 self._stop.wait(backoff_s)
-                backoff_s = min(backoff_s * 2, 1.0)
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
         if pubsub is not None:
             pubsub.close()
+
+    def _log_failure(self, exc: BaseException, failures: int, backoff_s: float) -> None:
+        """An outage is a warning; an error reply (OOM, MISCONF, ...) is an error, with its
+        traceback the first time in a row only (it may repeat every second for hours)."""
+        if isinstance(exc, REDIS_TRANSIENT):
+            log.warning("%s: Redis unavailable (%s); retrying in %.2fs", self.name, exc, backoff_s)
+        elif failures == 0:
+            log.error(
+                "%s: moving due messages failed (%s: %s); retrying every %.2fs or less "
+                "until it succeeds",
+                self.name,
+                type(exc).__name__,
+                exc,
+                MAX_BACKOFF_S,
+                exc_info=exc,
+            )
+        else:
+            log.warning(
+                "%s: still failing (%s: %s), attempt %d; retrying in %.2fs",
+                self.name,
+                type(exc).__name__,
+                exc,
+                failures + 1,
+                backoff_s,
+            )
+
+    def _recovered(self, failures: int) -> None:
+        if failures:
+            log.info("%s: moving again after %d failed attempt(s)", self.name, failures)
+
+    def _run_until_stopped(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            self.failure = exc
+            log.critical(
+                "%s: the schedule service stopped: %s: %s",
+                self.name,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread :meth:`start` began is still running."""
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> ScheduleService:
         """Run in a daemon thread."""
         if self._thread is not None and self._thread.is_alive():
-            return self
+            if not self._stop.is_set():
+                return self
+            self._thread.join(5.0)  # stopped without waiting (stop(timeout=0)): let it end
         self._stop.clear()
-        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self.failure = None
+        self._thread = threading.Thread(target=self._run_until_stopped, name=self.name, daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait for it."""
         self._stop.set()
-        with contextlib.suppress(*REDIS_TRANSIENT):
+        with contextlib.suppress(redis.exceptions.RedisError):
             self.store.wake()  # if Redis is away, the loop is in a backoff wait the event ends
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            if not self._thread.is_alive():
+                self._thread = None  # else a later stop() waits for it again
 
     def wake(self) -> None:
         """Look at the queues now (a message with an earlier due time was scheduled)."""

@@ -1,0 +1,165 @@
+"""The resend path when a real redis-server answers with an error instead of going away.
+
+A full Redis (``maxmemory`` reached under the ``noeviction`` policy idem requires)
+refuses every write with ``OOM``. That may not stop the schedule service:
+scheduled retries are delivered once Redis has room again.
+
+Each test that delivers ends with the invariant: every message is done, retrying or dead, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry import (
+    MessageExt,
+    RetryEngine,
+    audit_states,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@contextmanager
+def _redis_full(client: redis.Redis) -> Iterator[None]:
+    """Redis out of memory (every write refused with OOM) until the block ends."""
+    before = client.config_get("maxmemory")["maxmemory"]
+    client.config_set("maxmemory", "1")
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", before)
+
+
+def _config(tmp_path: Path, server: RedisServer, group: str, **kw: object) -> IdemConfig:
+    return IdemConfig(group=group, redis_url=server.url, data_dir=str(tmp_path), **kw)  # type: ignore[arg-type]
+
+
+def _messages(n: int, prefix: str = "M", body: bytes = b'{"row": 1}') -> list[MessageExt]:
+    return [
+        MessageExt(topic="TopicTest", msg_id=f"{prefix}{i}", keys=f"ORDER_{prefix}{i}", body=body)
+        for i in range(n)
+    ]
+
+
+def _consume(engine: RetryEngine, want: int, *, within_s: float) -> list[MessageExt]:
+    """Poll and ack the retry topic until ``want`` messages came (or time is up)."""
+    delivered: list[MessageExt] = []
+    deadline = time.monotonic() + within_s
+    while len(delivered) < want and time.monotonic() < deadline:
+        batch = engine.poll_retry("consumer-1", 100, block_ms=50)
+        delivered += batch
+        if batch:
+            engine.ack(batch)
+    return delivered
+
+
+def _assert_delivered_once(delivered: Sequence[MessageExt], expected: set[str]) -> None:
+    counts = Counter(m.origin_msg_id for m in delivered)
+    assert set(counts) == expected, f"lost: {sorted(expected - set(counts))[:5]}"
+    assert set(counts.values()) == {1}, "a message was delivered twice"
+
+
+# -- the schedule service -----------------------------------------------------------------
+
+
+def test_a_schedule_service_outlives_a_full_redis_and_delivers_once_it_has_room(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_oom", delay_levels="300ms"))
+    service = engine.schedule_service(max_idle_ms=100)
+    expected = {f"M{i}" for i in range(20)}
+    with caplog.at_level(logging.WARNING, logger="idem.retry.schedule"), service:
+        assert len(engine.send_back(_messages(20), delay_level=1).scheduled) == 20
+        with _redis_full(real_redis):
+            time.sleep(1.5)  # due after 300 ms: every move meanwhile is refused
+            assert real_redis.xlen(engine.store.keys.stream) == 0
+            assert "OutOfMemoryError" in caplog.text  # the service did run into it
+        delivered = _consume(engine, 20, within_s=15)
+        assert service.alive
+    _assert_delivered_once(delivered, expected)
+    audit = audit_states(engine, expected, expected)
+    assert audit.ok, audit.describe()
+
+
+def test_a_schedule_service_started_on_a_full_redis_rebuilds_once_it_has_room(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_oom_start", delay_levels="300ms"))
+    assert len(engine.send_back(_messages(20), delay_level=1).scheduled) == 20
+    real_redis.flushall()  # Redis lost the group: the service's first sync must rebuild it
+    service = engine.schedule_service(max_idle_ms=100, sync_interval_ms=200)
+    expected = {f"M{i}" for i in range(20)}
+    with _redis_full(real_redis):
+        service.start()  # its first sync (the rebuild) and every move are refused
+        time.sleep(1.0)
+    try:
+        delivered = _consume(engine, 20, within_s=15)
+        assert service.alive
+    finally:
+        service.stop()
+    _assert_delivered_once(delivered, expected)
+    audit = audit_states(engine, expected, expected)
+    assert audit.ok, audit.describe()
+
+
+CRASHING_SCHEDULE = textwrap.dedent(
+    """
+    import sys
+    from idem.cli import main
+    from idem.retry.schedule import ScheduleService
+
+    def bug(self, now):
+        raise RuntimeError("a bug in the moving loop")
+
+    ScheduleService._move = bug  # not Redis's nor idem's error: the thread ends
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_idem_schedule_exits_non_zero_when_its_service_stops(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    command = [
+        sys.executable,
+        "-c",
+        CRASHING_SCHEDULE,
+        "schedule",
+        "--group",
+        "CID_cli_dies",
+        "--redis-url",
+        redis_server.url,
+        "--data-dir",
+        str(tmp_path),
+    ]
+    child = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,  # without the check, the process would run on, moving nothing
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert child.returncode == 1, child.stderr
+    assert (
+        "the schedule service of group CID_cli_dies stopped: "
+        "RuntimeError: a bug in the moving loop; exiting"
+    ) in child.stderr
