@@ -5,13 +5,16 @@
 1. the broker's send-back: dead letters are written to ``%DLQ%<group>``, every
    event is appended to the Delta retry journal (one commit, with the caller's
    ``app_id``/``txn_version``), then applied to Redis — bounded retries each;
-2. when Redis does not answer, the client resends the messages itself straight
+2. when Redis does not answer, or answers with an error (``OOM`` when it is
+   full, ``MISCONF``, ...), the client resends the messages itself straight
    into the schedule queues (the same msg ids, so nothing is stored twice);
 3. when that fails too, the caller is told to re-submit after 5 s. The journal
    already holds the messages, so even a caller that never re-submits loses
    nothing: the next sync (any engine, the schedule service) applies them.
 
 Nothing is reported done on an unknown outcome (a timeout counts as a failure).
+Elsewhere a failure of Redis (an outage or an error reply) surfaces as
+:class:`~idem.errors.StoreUnavailable`, never as redis-py's own exceptions.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
+
+import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
@@ -27,7 +33,7 @@ from idem.errors import LedgerError, StoreUnavailable
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterTable
-from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, REDIS_TRANSIENT, FaultTolerance
+from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal import JournalBase, JournalEvent, JournalEventType, RetryJournal
 from idem.retry.message import MessageConst, MessageExt
 from idem.retry.policy import RetryPolicy
@@ -47,6 +53,7 @@ from idem.retry.sendback import (
 from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
 from idem.retry.topic import RetryTopic
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPACT_INTERVAL_MS = 6 * 3_600_000
@@ -179,6 +186,17 @@ class RetryEngine:
         """Start-up check: Redis must not evict keys (an evicted schedule entry loses a retry)."""
         check_eviction_policy(self.client)
 
+    def _redis(self, fn: Callable[[], T], *, what: str, attempts: int | None = None) -> T:
+        """``fn`` against Redis with the bounded retries of ``faults``; any failure, an outage
+        or an error reply (``OOM`` from a full Redis, ``MISCONF``...), ends as
+        :class:`StoreUnavailable` (an error reply is not retried: it would answer the same)."""
+        try:
+            return self.faults.redis(fn, what=what, attempts=attempts)
+        except redis.exceptions.RedisError as exc:
+            raise StoreUnavailable(
+                f"{what} failed: Redis answered {type(exc).__name__}: {exc}"
+            ) from exc
+
     def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
         if self.on_stage is not None and messages:
             self.on_stage(stage, messages)
@@ -299,10 +317,13 @@ class RetryEngine:
             status = SendBackStatus.SCHEDULED
             self._stage("applied", [d.original for d in scheduled])
         except StoreUnavailable:
+            # Redis away, or refusing (full, MISCONF, a slice of the journal it cannot take):
+            # the events are journaled, so this is the broker's failed send-back, and the
+            # client-side resend of our own ops (then "re-submit later") follows as usual
             self._stage("fallback", [d.original for d in scheduled])
             try:
                 ops = [op for e in events for op in e.ops()]
-                self.faults.redis(
+                self._redis(
                     lambda: self.store.apply_direct(ops),
                     what="client-side resend to the retry topic",
                     attempts=self.faults.fallback_attempts,
@@ -383,7 +404,7 @@ class RetryEngine:
     # -- journal <-> Redis ---------------------------------------------------------------
 
     def _sync_or_raise(self, own: tuple[int, Sequence[JournalEvent]] | None = None) -> ApplyResult:
-        result = self.faults.redis(
+        result = self._redis(
             lambda: self.journal.sync(self.store, own=own),
             what="apply the retry journal to Redis",
         )
@@ -396,7 +417,7 @@ class RetryEngine:
 
     def rebuild(self) -> ApplyResult:
         """Clear the group's Redis side and rebuild it from the journal (``idem retry rebuild``)."""
-        return self.faults.redis(
+        return self._redis(
             lambda: self.journal.rebuild(self.store), what="rebuild from the retry journal"
         )
 
@@ -405,7 +426,7 @@ class RetryEngine:
         (a marker in Redis with that TTL decides, so one process compacts per interval)."""
         if interval_ms < 1:
             raise ValueError(f"interval_ms: must be >= 1, got {interval_ms}")
-        due = self.faults.redis(
+        due = self._redis(
             lambda: self.store.client.set(
                 self.store.keys.compacted, self.clock.now_ms(), nx=True, px=interval_ms
             ),
@@ -422,7 +443,7 @@ class RetryEngine:
         """Sync when Redis lost the cursor (rebuild at once), else at most once a second."""
         now = self.clock.now_ms()
         recent = self._last_sync_ms is not None and now - self._last_sync_ms < 1000
-        if recent and self.faults.redis(self.store.cursor, what="read the cursor") is not None:
+        if recent and self._redis(self.store.cursor, what="read the cursor") is not None:
             return
         try:
             self._sync_or_raise()
@@ -438,7 +459,7 @@ class RetryEngine:
         self._maybe_sync()
         try:
             return self.topic.read(consumer, count, block_ms)
-        except REDIS_TRANSIENT as exc:
+        except redis.exceptions.RedisError as exc:
             raise StoreUnavailable(f"read of {self.topic.name} failed: {exc}") from exc
 
     def ack(self, messages: Sequence[MessageExt]) -> int:
@@ -469,17 +490,17 @@ class RetryEngine:
 
     def next_due_ms(self) -> int | None:
         """When the next scheduled message becomes due (``None``: nothing scheduled)."""
-        return self.faults.redis(self.store.next_due_ms, what="read the schedule heads")
+        return self._redis(self.store.next_due_ms, what="read the schedule heads")
 
     def pending(self) -> int:
         """Messages scheduled or in the retry topic and not yet acknowledged."""
-        return self.faults.redis(self.store.pending, what="count pending retries")
+        return self._redis(self.store.pending, what="count pending retries")
 
     # -- scheduling ----------------------------------------------------------------------
 
     def tick(self) -> int:
         """Move every due message to the retry topic now; returns how many."""
-        return self.faults.redis(self._service.tick, what="schedule tick")
+        return self._redis(self._service.tick, what="schedule tick")
 
     def schedule_service(
         self,
@@ -510,7 +531,7 @@ class RetryEngine:
     def stats(self) -> RetryStats:
         """Redis counts per queue, retry topic lag, cursor; the journal's version."""
         return RetryStats(
-            redis=self.faults.redis(self.store.stats, what="read retry stats"),
+            redis=self._redis(self.store.stats, what="read retry stats"),
             journal_version=self.journal.latest_version(),
         )
 

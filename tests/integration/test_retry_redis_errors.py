@@ -1,8 +1,9 @@
 """The resend path when a real redis-server answers with an error instead of going away.
 
 A full Redis (``maxmemory`` reached under the ``noeviction`` policy idem requires)
-refuses every write with ``OOM``. That may not stop the schedule service:
-scheduled retries are delivered once Redis has room again.
+refuses every write with ``OOM``. That may not stop the schedule service nor
+escape ``send_back`` as redis-py's exception: scheduled retries are delivered
+once Redis has room again.
 
 Each test that delivers ends with the invariant: every message is done, retrying or dead, once.
 """
@@ -22,16 +23,22 @@ from pathlib import Path
 
 import pytest
 import redis
+from retry_helpers import drain
 
+from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry import (
+    FaultTolerance,
     MessageExt,
     RetryEngine,
+    SendBackStatus,
     audit_states,
 )
 
 pytestmark = pytest.mark.integration
+
+FAULTS = FaultTolerance(redis_attempts=2, fallback_attempts=2, wait_initial_s=0.01, wait_max_s=0.05)
 
 
 @contextmanager
@@ -163,3 +170,28 @@ def test_idem_schedule_exits_non_zero_when_its_service_stops(
         "the schedule service of group CID_cli_dies stopped: "
         "RuntimeError: a bug in the moving loop; exiting"
     ) in child.stderr
+
+
+# -- send-back ----------------------------------------------------------------------------
+
+
+def test_send_back_into_a_full_redis_asks_for_a_resubmit_and_loses_nothing(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    engine = RetryEngine(
+        _config(tmp_path, redis_server, "CID_oom_send"), clock=clock, faults=FAULTS
+    )
+    dead = MessageExt(topic="TopicTest", msg_id="D0", keys="ORDER_D0", reconsume_times=16)
+    with _redis_full(real_redis):
+        result = engine.send_back([*_messages(10), dead])
+    assert [o.status for o in result.outcomes] == [SendBackStatus.RESUBMIT_LATER] * 10 + [
+        SendBackStatus.DEAD
+    ]
+    assert not result.acknowledged
+    assert [letter.origin_msg_id for letter in engine.dlq.list()] == ["D0"]
+    # the caller never re-submits: the journal has the messages, the next sync applies them
+    delivered = drain(engine, clock, after_s=3 * 3600)
+    expected = {f"M{i}" for i in range(10)}
+    _assert_delivered_once(delivered, expected)
+    audit = audit_states(engine, expected | {"D0"}, expected)
+    assert audit.ok, audit.describe()
