@@ -25,6 +25,14 @@ _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 MINUTE_MS = 60_000
 DAY_MS = 86_400_000
 
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""RocketMQ's ``maxMessageSize`` (4 MiB): the largest message the resend path schedules."""
+
+MESSAGE_BYTES_RANGE = (1024, 256 * 1024 * 1024)
+"""Allowed ``max_message_bytes``: from 1 KiB (a smaller limit is a unit mistake) to 256 MiB,
+whose wire form (the body in base64, 4/3 of it) still fits Redis's default
+``proto-max-bulk-len`` of 512 MB."""
+
 
 class DedupMode(StrEnum):
     """How much a claim trusts Redis."""
@@ -102,6 +110,10 @@ class IdemConfig:
     max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES
     consume_timeout_ms: int = 15 * MINUTE_MS
     mismatch_policy: MismatchPolicy = MismatchPolicy.WARN
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """A failed message larger than this (its body, or body and properties together) is
+    dead-lettered at send-back instead of scheduled, as RocketMQ refuses a message over
+    ``maxMessageSize``; Redis could not take its wire form past ``proto-max-bulk-len``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, str) or not _GROUP.match(self.group):
@@ -122,6 +134,7 @@ class IdemConfig:
         _check_range("max_reconsume_times", self.max_reconsume_times, 0, 1_000)
         _check_range("consume_timeout_ms", self.consume_timeout_ms, 1_000, DAY_MS)
         _check_range("dedup_window_ms", self.dedup_window_ms, 1_000, 3650 * DAY_MS)
+        _check_range("max_message_bytes", self.max_message_bytes, *MESSAGE_BYTES_RANGE)
         if isinstance(self.delay_levels, str):
             object.__setattr__(self, "delay_levels", DelayLevels.parse(self.delay_levels))
         for name, enum in (("mode", DedupMode), ("mismatch_policy", MismatchPolicy)):
@@ -184,7 +197,7 @@ class IdemConfig:
             raw = env[variable]
             if f.name.endswith("_ms"):
                 values[f.name] = parse_duration_ms(raw, setting=variable)
-            elif f.name in {"buckets", "max_key_bytes", "max_reconsume_times"}:
+            elif f.name in {"buckets", "max_key_bytes", "max_reconsume_times", "max_message_bytes"}:
                 try:
                     values[f.name] = int(raw)
                 except ValueError:

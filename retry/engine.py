@@ -174,6 +174,7 @@ class RetryEngine:
             policy=policy,
             levels=config.delay_levels,
             max_reconsume_times=config.max_reconsume_times,
+            max_message_bytes=config.max_message_bytes,
             clock=clock,
         )
         # the engine's own tick() checks the cursor every time (one GET), see _maybe_sync
@@ -231,7 +232,7 @@ class RetryEngine:
             if original.reconsume_times > 0
             or MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in original.properties
             else None,
-            wire=message.to_wire(),
+            wire=decision.wire,
             at_ms=now,
         )
 
@@ -248,7 +249,8 @@ class RetryEngine:
 
         ``delay_level``: ``-1`` dead-letters now, ``0`` lets the policy choose
         (``3 + reconsume_times``), ``> 0`` is the level. ``errors`` maps a msg id to
-        its failure (recorded in the message's history and the DLQ row).
+        its failure (recorded in the message's history and the DLQ row). A message
+        over ``config.max_message_bytes`` is dead-lettered, never scheduled.
         ``app_id``/``txn_version`` journal a batch once: a replay of it adds only the
         messages the first attempt did not send back (see ``RetryJournal.append_batch``).
         """
@@ -276,7 +278,8 @@ class RetryEngine:
         it does not count toward ``max_reconsume_times``. The new message gets a
         msg id derived from the copy it replaces (a repeat names the same message)
         and, when the copy came from the retry topic, replaces it there. Same
-        paths, journal and result as :meth:`send_back` (never ``DEAD``);
+        paths, journal and result as :meth:`send_back` (never ``DEAD``, except for a
+        message over ``max_message_bytes``, which no path could schedule);
         ``app_id``/``txn_version`` journal a batch once, as for :meth:`send_back`.
         """
         decisions: list[SendBackDecision] = [

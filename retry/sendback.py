@@ -12,7 +12,13 @@ For a failed message it decides, through the group's :class:`RetryPolicy`:
 
 A *busy* message (its key is claimed by another owner with a live lease) did not
 fail: :meth:`SendBackProcessor.process_busy` schedules it again after a short
-delay with ``reconsume_times`` unchanged and never dead-letters it.
+delay with ``reconsume_times`` unchanged and does not dead-letter it for that.
+
+Either way a message larger than ``max_message_bytes`` (RocketMQ's
+``maxMessageSize``, 4 MiB) is dead-lettered instead of scheduled, with a reason
+naming its size and the limit: the broker refuses such a message, and Redis
+could not take its wire form past ``proto-max-bulk-len`` (a message journaled
+but refused by Redis would stop the journal's sync at it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from idem.clock import SYSTEM_CLOCK, Clock
+from idem.config import DEFAULT_MAX_MESSAGE_BYTES
 from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
 from idem.retry.dlq import DeadLetter
 from idem.retry.message import (
@@ -55,6 +62,8 @@ class Scheduled:
     queue_id: str
     delay_ms: int
     due_ms: int
+    wire: str
+    """``message.to_wire()``: what the journal and Redis store (measured against the limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,30 @@ class DeadLettered:
 SendBackDecision = Scheduled | DeadLettered
 
 
+def _base64_len(size: int) -> int:
+    return 4 * ((size + 2) // 3)
+
+
+def oversize_reason(message: MessageExt, wire: str, max_message_bytes: int) -> str | None:
+    """Why ``message`` (with its wire form ``wire``) is too large to schedule; ``None``: it fits.
+
+    As RocketMQ: the body against ``maxMessageSize`` (the producer's check), then the whole
+    message (the broker's): the body plus the rest of the envelope (topic, keys, properties).
+    The body's base64 expansion on the wire is idem's, so it does not count.
+    """
+    body = len(message.body)
+    if body > max_message_bytes:
+        return f"body: {body} bytes is over max_message_bytes ({max_message_bytes} bytes)"
+    wire_bytes = len(wire) if wire.isascii() else len(wire.encode())
+    rest = wire_bytes - _base64_len(body)
+    if body + rest > max_message_bytes:
+        return (
+            f"message: {body + rest} bytes (body {body}, topic, keys and properties {rest}) "
+            f"is over max_message_bytes ({max_message_bytes} bytes)"
+        )
+    return None
+
+
 class SendBackProcessor:
     """Broker-side send-back for one consumer group."""
 
@@ -78,11 +111,13 @@ class SendBackProcessor:
         policy: RetryPolicy | None = None,
         levels: DelayLevels | None = None,
         max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.group = group
         self.levels = levels or DelayLevels.parse()
         self.max_reconsume_times = max_reconsume_times
+        self.max_message_bytes = max_message_bytes
         self.policy: RetryPolicy = policy or RocketMQLadder(self.levels, max_reconsume_times)
         self.clock = clock
         self.retry_topic = retry_topic(group)
@@ -108,13 +143,7 @@ class SendBackProcessor:
         )
         decision = self.policy(state)
         if decision.delay is None:
-            letter = DeadLetter.of(
-                self.group,
-                with_failure(message, failure),
-                reason=decision.reason,
-                dead_at_ms=now,
-            )
-            return DeadLettered(original=message, letter=letter)
+            return self._dead(message, with_failure(message, failure), decision.reason, now)
 
         delay = decision.delay
         due = now + delay.delay_ms
@@ -129,6 +158,10 @@ class SendBackProcessor:
             due=due,
             extra=props,
         )
+        wire = scheduled.to_wire()
+        too_large = oversize_reason(scheduled, wire, self.max_message_bytes)
+        if too_large is not None:
+            return self._dead(message, with_failure(message, failure), too_large, now)
         return Scheduled(
             original=message,
             message=scheduled,
@@ -136,17 +169,26 @@ class SendBackProcessor:
             queue_id=str(delay.level - 1) if delay.level > 0 else TIMER_QUEUE,
             delay_ms=delay.delay_ms,
             due_ms=due,
+            wire=wire,
         )
+
+    def _dead(
+        self, original: MessageExt, message: MessageExt, reason: str, now: int
+    ) -> DeadLettered:
+        letter = DeadLetter.of(self.group, message, reason=reason, dead_at_ms=now)
+        return DeadLettered(original=original, letter=letter)
 
     def process_busy(
         self, message: MessageExt, *, delay_level: int = BUSY_DELAY_LEVEL
-    ) -> Scheduled:
+    ) -> SendBackDecision:
         """Schedule ``message`` again because its key is busy: not a failure.
 
         ``reconsume_times`` and the failure history are kept (a key that is only
         busy is never dead-lettered for it); the delay is ``delay_level``
         (clamped to the ladder, default 1); the new msg id is derived from
-        ``message.msg_id`` (:func:`~idem.retry.message.busy_msg_id`).
+        ``message.msg_id`` (:func:`~idem.retry.message.busy_msg_id`). Only a
+        message over ``max_message_bytes`` is dead-lettered (no path could
+        schedule it), its history unchanged.
         """
         level = min(max(delay_level, 1), self.levels.max_level)
         delay_ms = self.levels.delay_ms(level)
@@ -159,6 +201,10 @@ class SendBackProcessor:
             due=due,
             extra={},
         )
+        wire = scheduled.to_wire()
+        too_large = oversize_reason(scheduled, wire, self.max_message_bytes)
+        if too_large is not None:
+            return self._dead(message, message, too_large, self.clock.now_ms())
         return Scheduled(
             original=message,
             message=scheduled,
@@ -166,6 +212,7 @@ class SendBackProcessor:
             queue_id=str(level - 1),
             delay_ms=delay_ms,
             due_ms=due,
+            wire=wire,
         )
 
     def _build(

@@ -1,9 +1,11 @@
 """The resend path when a real redis-server answers with an error instead of going away.
 
 A full Redis (``maxmemory`` reached under the ``noeviction`` policy idem requires)
-refuses every write with ``OOM``. That may not stop the schedule service nor
-escape ``send_back`` as redis-py's exception: scheduled retries are delivered
-once Redis has room again.
+refuses every write with ``OOM``; a message larger than Redis's
+``proto-max-bulk-len`` is refused with a protocol error. Neither may stop the
+schedule service, escape ``send_back`` as redis-py's exception, or wedge the
+group: scheduled retries are delivered once Redis has room again, and a message
+too large to schedule is dead-lettered with its reason.
 
 Each test that delivers ends with the invariant: every message is done, retrying or dead, once.
 """
@@ -30,6 +32,7 @@ from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry import (
     FaultTolerance,
+    JournalEventType,
     MessageExt,
     RetryEngine,
     SendBackStatus,
@@ -195,3 +198,92 @@ def test_send_back_into_a_full_redis_asks_for_a_resubmit_and_loses_nothing(
     _assert_delivered_once(delivered, expected)
     audit = audit_states(engine, expected | {"D0"}, expected)
     assert audit.ok, audit.describe()
+
+
+@pytest.mark.parametrize("path", ["failed", "busy"])
+def test_a_message_over_max_message_bytes_is_dead_lettered_with_its_size(
+    path: str,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    clock: ManualClock,
+) -> None:
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_big"), clock=clock)
+    size = 4 * 1024 * 1024 + 1  # RocketMQ's maxMessageSize (the default limit), plus one byte
+    big = MessageExt(topic="TopicTest", msg_id="BIG", keys="ORDER_BIG", body=b"x" * size)
+    batch = [*_messages(2, "A"), big, *_messages(2, "B")]
+    send = engine.send_back if path == "failed" else engine.send_back_busy
+    result = send(batch)
+    assert [o.status for o in result.outcomes] == [SendBackStatus.SCHEDULED] * 2 + [
+        SendBackStatus.DEAD
+    ] + [SendBackStatus.SCHEDULED] * 2
+    reason = "body: 4194305 bytes is over max_message_bytes (4194304 bytes)"
+    assert result.outcomes[2].reason == reason
+    (letter,) = engine.dlq.list()
+    assert (letter.origin_msg_id, letter.reason, letter.body) == ("BIG", reason, big.body)
+    journaled = {e.origin_msg_id for e in engine.journal.events() if e.wire is not None}
+    assert "BIG" not in journaled  # nothing for Redis to refuse
+    delivered = drain(engine, clock, after_s=3 * 3600)
+    expected = {"A0", "A1", "B0", "B1"}
+    _assert_delivered_once(delivered, expected)
+    audit = audit_states(engine, expected | {"BIG"}, expected)
+    assert audit.ok, audit.describe()
+
+
+def test_a_limit_below_redis_proto_max_bulk_len_keeps_the_group_moving(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    with RedisServer(extra={"proto-max-bulk-len": "1mb"}) as server:
+        environ = {
+            "IDEM_GROUP": "CID_bulk",
+            "IDEM_REDIS_URL": server.url,
+            "IDEM_DATA_DIR": str(tmp_path),
+            "IDEM_MAX_MESSAGE_BYTES": str(512 * 1024),  # 4/3 of it stays under 1mb
+        }
+        engine = RetryEngine(IdemConfig.from_env(environ), clock=clock, faults=FAULTS)
+        # its wire (the body in base64) would be ~1.2 MB: over what this Redis takes
+        big = MessageExt(topic="TopicTest", msg_id="BIG", keys="ORDER_BIG", body=b"x" * 900_000)
+        first = engine.send_back([*_messages(2, "A"), big])
+        assert [o.status for o in first.outcomes] == [
+            SendBackStatus.SCHEDULED,
+            SendBackStatus.SCHEDULED,
+            SendBackStatus.DEAD,
+        ]
+        assert first.outcomes[2].reason == (
+            "body: 900000 bytes is over max_message_bytes (524288 bytes)"
+        )
+        clock.advance(20)
+        assert engine.tick() == 2
+        taken = engine.poll_retry("c", 10)
+        assert engine.ack(taken) == 2
+        later = engine.send_back(_messages(2, "C"))
+        assert [o.status for o in later.outcomes] == [SendBackStatus.SCHEDULED] * 2
+        delivered = [*taken, *drain(engine, clock, after_s=3 * 3600)]
+        expected = {"A0", "A1", "C0", "C1"}
+        _assert_delivered_once(delivered, expected)
+        assert engine.store.cursor() == f"{engine.journal.latest_version() + 1}:0"  # type: ignore[operator]
+        assert [letter.reason for letter in engine.dlq.list()] == [first.outcomes[2].reason]
+        audit = audit_states(engine, expected | {"BIG"}, expected)
+        assert audit.ok, audit.describe()
+        engine.close()
+
+
+def test_a_message_whose_properties_make_it_too_large_is_dead_lettered(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    engine = RetryEngine(
+        _config(tmp_path, redis_server, "CID_big_props", max_message_bytes=64 * 1024),
+        clock=clock,
+    )
+    # a small body, but properties that make the message larger than the limit
+    heavy = MessageExt(
+        topic="TopicTest", msg_id="HEAVY", keys="ORDER_HEAVY", properties={"note": "y" * 70_000}
+    )
+    (outcome,) = engine.send_back([heavy]).outcomes
+    assert outcome.status is SendBackStatus.DEAD
+    assert outcome.reason.startswith("message: ")
+    assert "is over max_message_bytes (65536 bytes)" in outcome.reason
+    events = [(e.event, e.origin_msg_id) for e in engine.journal.events()]
+    assert events == [(JournalEventType.DEAD, "HEAVY")]
+    assert [letter.origin_msg_id for letter in engine.dlq.list()] == ["HEAVY"]
+    assert engine.pending() == 0

@@ -18,6 +18,7 @@ def test_defaults_match_the_design() -> None:
     assert config.lease_ms == 5 * 60_000
     assert config.dedup_window_ms == 7 * 86_400_000
     assert config.max_reconsume_times == 16
+    assert config.max_message_bytes == 4 * 1024 * 1024  # RocketMQ's maxMessageSize
     assert config.retry_horizon_ms == (4 * 3600 + 45 * 60 + 40) * 1000
     assert config.resolved_ledger_path.endswith("orders/ledger")
 
@@ -40,6 +41,8 @@ def test_a_short_ladder_allows_a_short_window() -> None:
         ({"redis_url": "http://x"}, r"redis_url: 'http://x' must start with .*redis\+cluster://"),
         ({"buckets": 0}, r"buckets: 0 is outside the allowed range 1..1024"),
         ({"max_key_bytes": 10**6}, "max_key_bytes"),
+        ({"max_message_bytes": 4}, r"max_message_bytes: 4 is outside the allowed range 1024\.\."),
+        ({"max_message_bytes": 2**30}, r"max_message_bytes: .* range 1024..268435456"),
         ({"mode": "eventual"}, r"mode: 'eventual' is not one of index, strict"),
         ({"mismatch_policy": "ignore"}, "mismatch_policy"),
         ({"delay_levels": "1s 5x"}, r"level 2 is '5x'"),
@@ -64,6 +67,7 @@ def test_environment_variables_are_read_and_overridden_by_arguments() -> None:
         "IDEM_MODE": "strict",
         "IDEM_MISMATCH_POLICY": "raise",
         "IDEM_DELAY_LEVELS": "1s 2s 3s",
+        "IDEM_MAX_MESSAGE_BYTES": "1048576",
     }
     config = IdemConfig.from_env(env, buckets=32)
     assert config.group == "billing"
@@ -72,11 +76,14 @@ def test_environment_variables_are_read_and_overridden_by_arguments() -> None:
     assert config.mode is DedupMode.STRICT
     assert config.mismatch_policy is MismatchPolicy.RAISE
     assert config.delay_levels == DelayLevels.parse("1s 2s 3s")
+    assert config.max_message_bytes == 1_048_576
 
 
 def test_environment_errors_name_the_variable() -> None:
     with pytest.raises(ConfigError, match="IDEM_BUCKETS"):
         IdemConfig.from_env({"IDEM_GROUP": "g", "IDEM_BUCKETS": "many"})
+    with pytest.raises(ConfigError, match="IDEM_MAX_MESSAGE_BYTES: '4MiB'"):
+        IdemConfig.from_env({"IDEM_GROUP": "g", "IDEM_MAX_MESSAGE_BYTES": "4MiB"})
     with pytest.raises(ConfigError, match="IDEM_LEASE_MS"):
         IdemConfig.from_env({"IDEM_GROUP": "g", "IDEM_LEASE_MS": "soon"})
     with pytest.raises(ConfigError, match="IDEM_GROUP"):
