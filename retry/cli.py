@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from types import FrameType
 from typing import Any
 
 from idem.config import IdemConfig
+from idem.redis_client import redacted
 from idem.retry.engine import RetryEngine
 from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
 
@@ -36,7 +38,11 @@ _CONFIG_OPTIONS = {
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--group", required=True, help="consumer group (IDEM_GROUP)")
+    parser.add_argument(
+        "--group",
+        required=not os.environ.get("IDEM_GROUP"),
+        help="consumer group (default: IDEM_GROUP)",
+    )
     parser.add_argument("--redis-url", help="redis:// or rediss:// URL (IDEM_REDIS_URL)")
     parser.add_argument("--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
     parser.add_argument("--data-dir", help="where the group's Delta tables live by default")
@@ -64,7 +70,7 @@ def _schedule(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     print(
-        f"idem schedule: group {engine.group}, {engine.config.redis_url}, "
+        f"idem schedule: group {engine.group}, {redacted(engine.config.redis_url)}, "
         f"levels {engine.config.delay_levels}",
         file=sys.stderr,
         flush=True,
