@@ -8,6 +8,7 @@ Spark: the batch arrives as an Arrow table.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 from collections import Counter
@@ -30,7 +31,9 @@ from idem.retry.sendback import BUSY_DELAY_LEVEL
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.ids import derived_msg_ids, positional_msg_ids, spark_hex
 from idem.spark.messages import (
+    MALFORMED_COLUMN,
     MESSAGE_COLUMN,
+    RAW_BODY_COLUMN,
     RECONSUME_TIMES_COLUMN,
     message_for_row,
     msg_id_prefix,
@@ -62,6 +65,9 @@ class BatchOutcome:
     failed_keys: tuple[str, ...] = ()
     busy: int = 0
     invalid: int = 0
+    """Rows whose key is bad (null, empty, too long, not text); dead-lettered at once."""
+    malformed: int = 0
+    """Rows whose values could not be read (``_idem_malformed``); dead-lettered at once."""
     mismatched: int = 0
     duplicates: Mapping[str, int] = field(default_factory=dict)
     """Rows not handed to the sink, by cause (``in_batch``, ``completed``, ``slipped``)."""
@@ -97,6 +103,7 @@ class BatchOutcome:
                 "failed": self.failed,
                 "busy": self.busy,
                 "invalid": self.invalid,
+                "malformed": self.malformed,
                 "mismatched": self.mismatched,
                 "dead": self.dead,
             },
@@ -143,6 +150,12 @@ class BatchRun:
         self.size = table.num_rows
         self.keys = _key_values(table.column(key))
         self.previous = _previous_messages(table)
+        self.malformed = _text_values(table, MALFORMED_COLUMN)
+        """Rows whose values could not be read, with why (never claimed: dead-lettered)."""
+        self.raw_bodies = {
+            i: raw for i, raw in _text_values(table, RAW_BODY_COLUMN).items() if i in self.malformed
+        }
+        """The source text of malformed rows that have it: their dead letters' bodies."""
         self._columns = (fingerprint_column, msg_id_column, key_hash_column)
         self.fingerprints: list[str] | None = None
         """Each row's payload fingerprint (``None`` when not computed); set by :meth:`claim`."""
@@ -177,6 +190,8 @@ class BatchRun:
                 values = given.combine_chunks()
                 usable = pc.fill_null(pc.not_equal(values, ""), False)
                 ids = pc.if_else(usable, values, ids)
+        # A line the source could not parse is its own message: its id comes from its text.
+        ids = _with_values(ids, {i: _text_msg_id(raw) for i, raw in self.raw_bodies.items()})
         return _with_values(ids, {i: m.msg_id for i, m in self.previous.items()})
 
     # -- step 1-2 ------------------------------------------------------------------------------
@@ -193,8 +208,11 @@ class BatchRun:
         if self.previous:
             ahead = sorted(self.previous, key=lambda i: (-self.previous[i].reconsume_times, i))
             order = [*ahead, *(i for i in range(self.size) if i not in self.previous)]
+        keys = self.keys
+        if self.malformed:  # not claimed: the claim reports them invalid, send_back says why
+            keys = [None if i in self.malformed else k for i, k in enumerate(keys)]
         pending = self.dedup.start(
-            self.keys, owner=self.owner, order=order, field=self.key, hold=self.hold_claims
+            keys, owner=self.owner, order=order, field=self.key, hold=self.hold_claims
         )
         try:
             self._hash_columns()  # while Redis runs the claims
@@ -352,7 +370,12 @@ class BatchRun:
         groups: dict[int, dict[int, str]] = {}
         if failed:
             groups[BROKER_CHOOSES_LEVEL] = dict(failed)
-        dead: dict[int, str] = {bad.index: f"{bad.reason}: {bad.message}" for bad in claim.invalid}
+        dead: dict[int, str] = {
+            bad.index: f"{bad.reason}: {bad.message}"
+            for bad in claim.invalid
+            if bad.index not in self.malformed
+        }
+        dead.update({i: f"malformed: {reason}" for i, reason in self.malformed.items()})
         if self.dedup.config.mismatch_policy is MismatchPolicy.DEAD_LETTER:
             for i in claim.mismatched:
                 dead[i] = "payload_mismatch: completed before with a different payload"
@@ -368,6 +391,11 @@ class BatchRun:
     def _send(self, level: int, rows: Mapping[int, str], *, busy: bool = False) -> None:
         indices = sorted(rows)
         bodies = self.codec.encode_table(self.table, indices)
+        if self.raw_bodies:
+            bodies = [
+                raw.encode("utf-8", "surrogatepass") if (raw := self.raw_bodies.get(i)) else body
+                for i, body in zip(indices, bodies, strict=True)
+            ]
         now = self.clock.now_ms()
         messages = [
             message_for_row(
@@ -440,7 +468,8 @@ class BatchRun:
             applied_keys=_keys_at(claim.keys, (*self._applied_before, *self._applied)),
             failed_keys=tuple(claim.keys[i] or "" for i in sorted(self._failed)),
             busy=len(claim.busy),
-            invalid=len(claim.invalid),
+            invalid=sum(1 for bad in claim.invalid if bad.index not in self.malformed),
+            malformed=len(self.malformed),
             mismatched=len(claim.mismatched),
             duplicates=dict(dups),
             retried_by_level=dict(self._levels),
@@ -490,6 +519,24 @@ def _previous_messages(table: pa.Table) -> dict[int, MessageExt]:
     present = pc.indices_nonzero(pc.fill_null(pc.not_equal(column, ""), False)).to_pylist()
     wires = column.take(pa.array(present, pa.int64())).to_pylist()
     return {i: MessageExt.from_wire(wire) for i, wire in zip(present, wires, strict=True)}
+
+
+def _text_values(table: pa.Table, column: str) -> dict[int, str]:
+    """The non-null values of a text column by row index (none when it is absent)."""
+    if column not in table.column_names:
+        return {}
+    values = table.column(column)
+    if values.null_count == len(values):
+        return {}
+    present = pc.indices_nonzero(pc.is_valid(values)).to_pylist()
+    texts = values.take(pa.array(present, pa.int64())).to_pylist()
+    return dict(zip(present, texts, strict=True))
+
+
+def _text_msg_id(text: str) -> str:
+    """A message id (32 hex digits) from a row's source text: copies of a line share it."""
+    data = text.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).hexdigest().upper()
 
 
 def _with_values(array: pa.Array, values: Mapping[int, str]) -> pa.Array:

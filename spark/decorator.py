@@ -9,7 +9,9 @@
     stream.writeStream.foreachBatch(write).start()
 
 Per micro-batch, on the driver (DESIGN §1): the batch comes over as Arrow;
-bad keys go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep
+bad keys, and rows whose values could not be read (``_idem_malformed``: a
+retry body that no longer fits the schema, a source line that is not JSON),
+go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep
 the first row; the keys are claimed in Redis under an owner token made of the
 query id and the batch id (a Spark replay of the batch re-takes its own
 claims); the function gets the fresh rows as a Spark DataFrame; the rows it
@@ -48,7 +50,12 @@ from idem.retry.engine import RetryEngine
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.batch import BatchOutcome, BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
-from idem.spark.messages import DEFAULT_TOPIC, MESSAGE_COLUMN, MSG_ID_COLUMN, RETRY_COLUMNS
+from idem.spark.messages import (
+    BOOKKEEPING_COLUMNS,
+    DEFAULT_TOPIC,
+    MSG_ID_COLUMN,
+    RECONSUME_TIMES_COLUMN,
+)
 from idem.spark.rows import RowCodec
 from idem.spark.stats import StatsStore
 
@@ -189,7 +196,7 @@ class ExactlyOnce:
             )
         if self.msg_id is not None and self.msg_id not in columns:
             raise ConfigError(f"msg_id: the batch has no column {self.msg_id!r}")
-        payload = st.StructType([f for f in schema.fields if f.name not in RETRY_COLUMNS])
+        payload = st.StructType([f for f in schema.fields if f.name not in BOOKKEEPING_COLUMNS])
         payload_columns = payload.fieldNames()
         if self.sink_table:
             self._sink_columns(payload_columns)  # a clash fails the batch before any claim
@@ -279,7 +286,7 @@ class ExactlyOnce:
         if self.fn is None:
             return {}
         fresh = run.fresh_table(
-            keep=[c for c in RETRY_COLUMNS if c != MESSAGE_COLUMN],
+            keep=[RECONSUME_TIMES_COLUMN],
             idempotency_column=self.idempotency_column,
             group=self.config.group,
         )

@@ -25,6 +25,18 @@ MESSAGE_COLUMN: Final = "_idem_message"
 RETRY_COLUMNS: Final = (RECONSUME_TIMES_COLUMN, MESSAGE_COLUMN)
 """Columns that are retry bookkeeping, not the user's data."""
 
+MALFORMED_COLUMN: Final = "_idem_malformed"
+"""Column the retry stream (and ``idem run``'s file source) adds: why the row's values could
+not be read, naming the column and the problem (null when they could). Such a row is
+dead-lettered at once with this reason, its message body kept."""
+
+RAW_BODY_COLUMN: Final = "_idem_raw_body"
+"""Column ``idem run`` adds: a source line Spark could not parse (its corrupt record), which
+becomes the dead letter's body."""
+
+BOOKKEEPING_COLUMNS: Final = (*RETRY_COLUMNS, MALFORMED_COLUMN, RAW_BODY_COLUMN)
+"""Every column idem adds to the rows: never part of a payload, a fingerprint or a sink."""
+
 SCHEMA_PROPERTY: Final = "IDEM_SCHEMA"
 """Message property holding the Spark schema (JSON) of the row in the body."""
 

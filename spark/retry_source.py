@@ -12,6 +12,15 @@ JSON of the row with its schema), plus ``reconsume_times`` and
 same message). Union the retry stream right before ``foreachBatch``: its rows
 are the rows the sink saw.
 
+A message whose body no longer fits the schema (the job changed a column's
+type while the row waited, a long that became an ``int``, a decimal with
+more places) still becomes a row: the columns that fit keep their values,
+the others are null (a column that is not nullable gets its type's zero) and
+``_idem_malformed`` names each column and its problem. ``@exactly_once``
+dead-letters such a row with its message as it was; the rest of the batch
+flows on. One bad message never fails the query, which would replay the same
+offsets and fail again on every restart.
+
 Offsets are Redis stream ids of the retry topic. Each trigger the source
 first runs the schedule service's step (due messages move from their delay
 level to the topic), so retries start batches even when the main source is
@@ -22,22 +31,33 @@ then removed) only when Spark commits the batch.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Final
 
+import pyarrow as pa
+from pyspark.sql import types as st
+from pyspark.sql.conversion import LocalDataToArrowConversion
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import IntegerType, StringType, StructField, StructType
 
 from idem.config import IdemConfig
-from idem.errors import ConfigError, SerializationError
+from idem.errors import ConfigError
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.retry.topic import RetryTopic
-from idem.spark.messages import MESSAGE_COLUMN, RECONSUME_TIMES_COLUMN
-from idem.spark.rows import RowCodec
+from idem.spark.messages import (
+    BOOKKEEPING_COLUMNS,
+    MALFORMED_COLUMN,
+    MESSAGE_COLUMN,
+    RECONSUME_TIMES_COLUMN,
+)
+from idem.spark.rows import BODY, RowCodec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -81,7 +101,7 @@ def config_from_options(options: Mapping[str, str]) -> IdemConfig:
 
 
 def _retry_schema(schema: StructType) -> StructType:
-    clash = {RECONSUME_TIMES_COLUMN, MESSAGE_COLUMN} & set(schema.fieldNames())
+    clash = set(BOOKKEEPING_COLUMNS) & set(schema.fieldNames())
     if clash:
         raise ConfigError(
             f"retry stream: the schema already has column(s) {', '.join(sorted(clash))}; "
@@ -92,6 +112,7 @@ def _retry_schema(schema: StructType) -> StructType:
             *schema.fields,
             StructField(RECONSUME_TIMES_COLUMN, IntegerType(), True),
             StructField(MESSAGE_COLUMN, StringType(), True),
+            StructField(MALFORMED_COLUMN, StringType(), True),
         ]
     )
 
@@ -105,7 +126,7 @@ class RetryDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> StructType:
-        """The rows' schema plus ``reconsume_times`` and ``_idem_message``."""
+        """The rows' schema plus ``reconsume_times``, ``_idem_message``, ``_idem_malformed``."""
         raw = self.options.get("schema")
         if not raw:
             raise ConfigError(
@@ -194,9 +215,9 @@ class RetryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         """The rows of the messages in the partition's id range."""
         assert isinstance(partition, _RangePartition)
-        codec = RowCodec.from_schema_json(self.options["schema"])
+        rows = RetryRows(RowCodec.from_schema_json(self.options["schema"]))
         for message in _messages_between(self.config, partition.after, partition.until):
-            yield _row(codec, message)
+            yield rows.row(message)
 
     def commit(self, end: dict[str, str]) -> None:
         """Spark committed up to ``end``: acknowledge those messages (journal, then Redis)."""
@@ -238,14 +259,82 @@ def _messages_between(
                 close()
 
 
-def _row(codec: RowCodec, message: MessageExt) -> tuple[Any, ...]:
-    try:
-        values = codec.decode(message.body)
-    except SerializationError as exc:
-        # The decorator sees a row without a key and dead-letters it with the message kept.
-        log.warning("retry stream: message %s does not decode: %s", message.msg_id, exc)
-        values = (None,) * len(codec.names)
-    return (*values, message.reconsume_times, message.to_wire())
+class RetryRows:
+    """Rows of the retry stream from messages, whatever their bodies hold (see module doc).
+
+    Each value is tried the way Spark will take it (the Python data source's own
+    converter, then Arrow) before it is handed over: a value Spark would refuse
+    fails its row here, named, instead of the whole micro-batch later.
+    """
+
+    def __init__(self, codec: RowCodec) -> None:
+        self.codec = codec
+        self.fields = tuple(codec.schema.fields)
+        self._checks = tuple(_arrow_check(f) for f in self.fields)
+
+    def row(self, message: MessageExt) -> tuple[Any, ...]:
+        """The row of ``message``: its values, ``reconsume_times``, the envelope, the problem."""
+        decoded = self.codec.decode_columns(message.body)
+        values = list(decoded.values)
+        errors = dict(decoded.errors)
+        for i, (field, check) in enumerate(zip(self.fields, self._checks, strict=True)):
+            if values[i] is not None:
+                problem = check(values[i])
+                if problem is None:
+                    continue
+                errors[field.name] = f"column {field.name!r}: {problem}"
+                values[i] = None
+            if not field.nullable:
+                if field.name not in errors and BODY not in errors:
+                    errors[field.name] = f"column {field.name!r}: no value, and it is not nullable"
+                values[i] = _zero(field.dataType)  # never seen: the row is dead-lettered
+        reason = "; ".join(errors.values()) or None
+        if reason is not None:
+            log.warning(
+                "retry stream: message %s does not fit the schema (it will be dead-lettered): %s",
+                message.msg_id,
+                reason,
+            )
+        return (*values, message.reconsume_times, message.to_wire(), reason)
+
+
+def _arrow_check(field: StructField) -> Callable[[Any], str | None]:
+    """What Spark makes of one value of ``field`` (``None``: it takes it; else why not)."""
+    convert = LocalDataToArrowConversion._create_converter(field.dataType, field.nullable)
+    arrow_type = to_arrow_type(field.dataType, timezone="UTC")
+
+    def check(value: Any) -> str | None:
+        try:
+            pa.array([convert(value)], type=arrow_type)
+        except Exception as exc:  # whatever Spark would fail the batch with fails the row
+            text = next((line for line in str(exc).splitlines() if line.strip()), "")
+            return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        return None
+
+    return check
+
+
+def _zero(kind: st.DataType) -> Any:
+    """A value of ``kind`` for a column that must not be null but has no value."""
+    if isinstance(kind, st.StructType):
+        return tuple(None if f.nullable else _zero(f.dataType) for f in kind.fields)
+    return next((zero for kind_type, zero in _ZEROS if isinstance(kind, kind_type)), None)
+
+
+_ZEROS: tuple[tuple[type[st.DataType], Any], ...] = (
+    (st.StringType, ""),
+    (st.BinaryType, b""),
+    (st.BooleanType, False),
+    (st.IntegralType, 0),
+    (st.DecimalType, Decimal(0)),  # before FractionalType, its base
+    (st.FractionalType, 0.0),
+    (st.DateType, dt.date(1970, 1, 1)),
+    (st.TimestampNTZType, dt.datetime(1970, 1, 1)),  # before TimestampType
+    (st.TimestampType, dt.datetime(1970, 1, 1, tzinfo=dt.UTC)),
+    (st.ArrayType, []),
+    (st.MapType, {}),
+)
+"""The zero of each type :func:`_zero` fills in, checked in this order."""
 
 
 def retry_stream(

@@ -9,6 +9,14 @@ Encodings of the types JSON lacks: decimals as strings (exact), dates and
 timestamps as ISO-8601 (timestamps in UTC with microseconds), binary as
 base64, maps as ``[[key, value], ...]`` (keys need not be strings), floats
 that are not finite as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
+
+Decoding checks each value against its column's type as well as its JSON
+form: a whole number must fit the integer type, a decimal the precision and
+scale, a float the float's range. A body written under another schema (the
+job changed a column's type while the row waited for a retry) then fails with
+the column and the limit named, instead of turning into a wrong value or an
+error later in Spark. :meth:`RowCodec.decode_columns` decodes what it can and
+names what it cannot, column by column.
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ import base64
 import datetime as dt
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import pyarrow as pa
+from pyspark.errors import ParseException
 from pyspark.sql import types as st
 
 from idem.errors import SerializationError
@@ -43,11 +54,40 @@ def schema_from_json(text: str) -> st.StructType:
 
 
 def schema_from_ddl(text: str) -> st.StructType:
-    """A Spark schema from a DDL string like ``"order_id string, amount double"``."""
-    parsed = st._parse_datatype_string(text)
+    """A Spark schema from a DDL string like ``"order_id string, amount double"``.
+
+    Needs an active Spark session (Spark's own parser reads the DDL).
+    """
+    try:
+        parsed = st._parse_datatype_string(text)
+    except ParseException as exc:
+        raise SerializationError(
+            f"schema: {text!r} is not a column list: {_first_line(exc)}"
+        ) from None
     if not isinstance(parsed, st.StructType):
         raise SerializationError(f"schema: {text!r} is not a struct (column list)")
     return parsed
+
+
+def _first_line(exc: Exception) -> str:
+    """The first line of a Spark error, without its SQLSTATE."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return re.sub(r"\s*SQLSTATE: \w+", "", lines[0] if lines else type(exc).__name__)
+
+
+BODY = ""
+"""The key of :attr:`DecodedRow.errors` for a body that is not a JSON object at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedRow:
+    """One body decoded column by column: the values, and what did not decode."""
+
+    values: tuple[Any, ...]
+    """The typed values in schema order; null where the column did not decode."""
+    errors: Mapping[str, str] = field(default_factory=dict)
+    """Column name -> why it did not decode (the message names the column); ``BODY`` ->
+    why nothing decoded (not a JSON object)."""
 
 
 class RowCodec:
@@ -90,20 +130,46 @@ class RowCodec:
 
     def decode(self, body: bytes | str) -> tuple[Any, ...]:
         """The typed values of one encoded row, in schema order (missing columns are null)."""
-        try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SerializationError(f"body: not JSON ({exc})") from exc
-        if not isinstance(obj, dict):
-            raise SerializationError(f"body: expected a JSON object, got {type(obj).__name__}")
+        obj = _json_object(body)
         return tuple(
             None if (value := obj.get(name)) is None else dec(value, name)
             for name, dec in zip(self.names, self._decoders, strict=True)
         )
 
+    def decode_columns(self, body: bytes | str) -> DecodedRow:
+        """:meth:`decode`, column by column: a column that does not decode is null and its
+        error is kept, so the columns that did decode (the key, say) are not lost."""
+        try:
+            obj = _json_object(body)
+        except SerializationError as exc:
+            return DecodedRow((None,) * len(self.names), {BODY: str(exc)})
+        values: list[Any] = []
+        errors: dict[str, str] = {}
+        for name, dec in zip(self.names, self._decoders, strict=True):
+            value = obj.get(name)
+            try:
+                values.append(None if value is None else dec(value, name))
+            except SerializationError as exc:
+                values.append(None)
+                errors[name] = str(exc)
+            except Exception as exc:  # any other failure stays with its column too
+                values.append(None)
+                errors[name] = f"column {name!r}: {type(exc).__name__}: {exc}"
+        return DecodedRow(tuple(values), errors)
+
     def decode_dict(self, body: bytes | str) -> dict[str, Any]:
         """One encoded row as ``{column: value}``."""
         return dict(zip(self.names, self.decode(body), strict=True))
+
+
+def _json_object(body: bytes | str) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SerializationError(f"body: not JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise SerializationError(f"body: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 # -- per-type encoders / decoders ----------------------------------------------------------
@@ -119,9 +185,9 @@ def _unsupported(kind: st.DataType, name: str) -> SerializationError:
 
 def _codec(kind: st.DataType, name: str) -> tuple[Encoder, Decoder]:
     """The encoder and decoder of a column of type ``kind``, built together."""
-    for scalar, encode, decode in _SCALARS:
-        if isinstance(kind, scalar):
-            return encode, decode
+    scalar = _scalar_codec(kind)
+    if scalar is not None:
+        return scalar
     if isinstance(kind, st.ArrayType):
         item_enc, item_dec = _codec(kind.elementType, f"{name}[]")
         return (
@@ -131,21 +197,68 @@ def _codec(kind: st.DataType, name: str) -> tuple[Encoder, Decoder]:
     if isinstance(kind, st.MapType):
         k_enc, k_dec = _codec(kind.keyType, f"{name}.key")
         v_enc, v_dec = _codec(kind.valueType, f"{name}.value")
+
+        def decode_map(v: Any, n: str) -> dict[Any, Any]:
+            out: dict[Any, Any] = {}
+            for k, x in _as_pairs(v, n):
+                out[_map_key(k_dec(k, n), n)] = None if x is None else v_dec(x, n)
+            return out
+
         return (
             lambda v, n: [
                 [k_enc(k, n), None if x is None else v_enc(x, n)] for k, x in _map_items(v)
             ],
-            lambda v, n: {
-                k_dec(k, n): None if x is None else v_dec(x, n) for k, x in _as_pairs(v, n)
-            },
+            decode_map,
         )
     if isinstance(kind, st.StructType):
         nested = RowCodec(kind)
+        fields = tuple(zip(nested.names, nested._decoders, strict=True))
+
+        def decode_struct(v: Any, n: str) -> st.Row:
+            if not isinstance(v, dict):
+                raise SerializationError(f"column {n!r}: expected a JSON object, got {v!r}")
+            return st.Row(
+                **{f: None if (x := v.get(f)) is None else dec(x, f"{n}.{f}") for f, dec in fields}
+            )
+
         return (
             lambda v, n: json.loads(nested.encode(v if isinstance(v, Mapping) else v.asDict())),
-            lambda v, n: st.Row(**nested.decode_dict(json.dumps(v))),
+            decode_struct,
         )
     raise _unsupported(kind, name)
+
+
+def _scalar_codec(kind: st.DataType) -> tuple[Encoder, Decoder] | None:
+    """The codec of a scalar type (``None``: not a scalar); integers, decimals and floats
+    decode only values their type holds."""
+    if isinstance(kind, st.IntegralType):
+        return _identity, _int_decoder(kind)
+    if isinstance(kind, st.DecimalType):
+        return _encode_decimal, _decimal_decoder(kind)
+    if isinstance(kind, st.FloatType):
+        return _encode_float, _decode_float32
+    return next(((enc, dec) for scalar, enc, dec in _SCALARS if isinstance(kind, scalar)), None)
+
+
+class _KeyList(list[Any]):
+    """A decoded array that is a map key: Spark allows array (and struct) keys, a Python
+    dict needs them hashable. Still a ``list``, which is what Spark's row converter takes."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self))
+
+
+def _map_key(value: Any, name: str) -> Any:
+    """``value`` as a dict key: arrays (also inside structs) hash by their items."""
+    if isinstance(value, list):
+        return _KeyList(_map_key(x, name) for x in value)
+    if isinstance(value, st.Row):
+        return st.Row(**{f: _map_key(x, name) for f, x in value.asDict().items()})
+    if isinstance(value, dict):
+        raise SerializationError(f"column {name!r}: a map key that holds a map cannot be read")
+    return value
 
 
 def _identity(value: Any, name: str) -> Any:
@@ -213,12 +326,52 @@ def _decode_int(value: Any, name: str) -> int:
     return value
 
 
+_INT_BITS: dict[type[st.DataType], int] = {
+    st.ByteType: 8,
+    st.ShortType: 16,
+    st.IntegerType: 32,
+    st.LongType: 64,
+}
+
+
+def _int_decoder(kind: st.IntegralType) -> Decoder:
+    """Whole numbers within the range of ``kind`` (``int``: 32 bits, ``bigint``: 64...)."""
+    bits = _INT_BITS.get(type(kind), 64)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    label = kind.simpleString()
+
+    def decode(value: Any, name: str) -> int:
+        number = _decode_int(value, name)
+        if not low <= number <= high:
+            raise SerializationError(
+                f"column {name!r}: {number} does not fit {label} ({low} to {high})"
+            )
+        return number
+
+    return decode
+
+
 def _decode_float(value: Any, name: str) -> float:
     if isinstance(value, str) and value in _NON_FINITE:
         return _NON_FINITE[value]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SerializationError(f"column {name!r}: expected a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise SerializationError(f"column {name!r}: {value} does not fit double") from None
+
+
+_FLOAT_MAX = 3.4028234663852886e38
+"""The largest finite 32-bit float (Spark's ``float``)."""
+
+
+def _decode_float32(value: Any, name: str) -> float:
+    number = _decode_float(value, name)
+    if math.isfinite(number) and abs(number) > _FLOAT_MAX:
+        # Arrow would store it as an infinity without a word.
+        raise SerializationError(f"column {name!r}: {number!r} does not fit float")
+    return number
 
 
 def _decode_decimal(value: Any, name: str) -> Decimal:
@@ -226,6 +379,30 @@ def _decode_decimal(value: Any, name: str) -> Decimal:
         return Decimal(str(value))
     except InvalidOperation:
         raise SerializationError(f"column {name!r}: {value!r} is not a decimal") from None
+
+
+def _decimal_decoder(kind: st.DecimalType) -> Decoder:
+    """Decimals that ``kind`` holds exactly: Spark would round away extra decimal places
+    without a word and fail the whole batch on extra integer digits."""
+    precision, scale = kind.precision, kind.scale
+    label = kind.simpleString()
+
+    def decode(value: Any, name: str) -> Decimal:
+        number = _decode_decimal(value, name)
+        if not number.is_finite():
+            raise SerializationError(f"column {name!r}: {value!r} is not a finite decimal")
+        if number:
+            exact = number.normalize()
+            places = max(0, -int(exact.as_tuple().exponent))
+            whole_digits = max(0, exact.adjusted() + 1)
+            if places > scale or whole_digits > precision - scale:
+                raise SerializationError(
+                    f"column {name!r}: {value} does not fit {label} (at most "
+                    f"{precision - scale} digit(s) before the point and {scale} after)"
+                )
+        return number
+
+    return decode
 
 
 def _parse_iso(value: Any, name: str) -> dt.datetime:
@@ -280,14 +457,12 @@ def _decode_timestamp_ntz(value: Any, name: str) -> dt.datetime:
 _SCALARS: tuple[tuple[type[st.DataType], Encoder, Decoder], ...] = (
     (st.StringType, _identity, _decode_str),
     (st.BooleanType, _identity, _decode_bool),
-    (st.IntegralType, _identity, _decode_int),
     (st.NullType, _identity, _decode_null),
-    (st.FloatType, _encode_float, _decode_float),
     (st.DoubleType, _encode_float, _decode_float),
-    (st.DecimalType, _encode_decimal, _decode_decimal),
     (st.TimestampNTZType, _encode_timestamp_ntz, _decode_timestamp_ntz),  # before TimestampType
     (st.TimestampType, _encode_timestamp, _decode_timestamp),
     (st.DateType, _encode_date, _decode_date),
     (st.BinaryType, _encode_binary, _decode_binary),
 )
-"""Each scalar Spark type with its JSON encoder and decoder, checked in this order."""
+"""Each scalar Spark type with its JSON encoder and decoder, checked in this order (integers,
+decimals and floats come first, with their ranges: see :func:`_scalar_codec`)."""

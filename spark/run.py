@@ -134,7 +134,8 @@ class RunReport:
             f"  sink failures:         {t.failed} (busy keys sent back: {t.busy})",
             f"  retries by level:      {t.retried_total} ({levels})",
             f"  dead letters:          {self.dead_letters} in %DLQ%{self.group} "
-            f"(bad keys {t.invalid}, out of retries or rejected {max(0, t.dead - t.invalid)}; "
+            f"(bad keys {t.invalid}, malformed rows {t.malformed}, out of retries or rejected "
+            f"{max(0, t.dead - t.invalid - t.malformed)}; "
             f"replayed from the DLQ so far: {t.dlq_replayed})",
             f"  retries still pending: {self.pending_retries}",
             f"  possible repeats:      {t.possible_repeats} (rows a replayed batch handed to the "
@@ -422,6 +423,8 @@ def report_json(report: RunReport) -> str:
             "failed": t.failed,
             "retried_by_level": {str(k): v for k, v in t.retried_by_level.items()},
             "dead_letters": report.dead_letters,
+            "invalid": t.invalid,
+            "malformed": t.malformed,
             "pending_retries": report.pending_retries,
             "possible_repeats": t.possible_repeats,
             "dlq_replayed": t.dlq_replayed,

@@ -68,6 +68,9 @@ class Totals:
     failed: int = 0
     busy: int = 0
     invalid: int = 0
+    malformed: int = 0
+    """Rows whose values could not be read (a retry body that no longer fits the schema, a
+    source line that is not valid JSON for it); dead-lettered at once."""
     mismatched: int = 0
     dead: int = 0
     possible_repeats: int = 0
@@ -102,6 +105,7 @@ class Totals:
                 "failed",
                 "busy",
                 "invalid",
+                "malformed",
                 "mismatched",
                 "dead",
                 "possible_repeats",

@@ -71,3 +71,80 @@ def test_a_body_that_does_not_fit_the_schema_names_the_column() -> None:
         codec.decode(b'{"n": "seven"}')
     with pytest.raises(SerializationError, match="body: not JSON"):
         codec.decode(b"\x80not json")
+
+
+@pytest.mark.parametrize(
+    ("kind", "fits", "too_big"),
+    [
+        (st.ByteType(), -128, 128),
+        (st.ShortType(), 32767, -32769),
+        (st.IntegerType(), 2**31 - 1, 2**40),
+        (st.LongType(), -(2**63), 2**63),
+    ],
+)
+def test_a_whole_number_must_fit_its_integer_type(
+    kind: st.DataType, fits: int, too_big: int
+) -> None:
+    codec = RowCodec(st.StructType([st.StructField("qty", kind)]))
+    assert codec.decode(f'{{"qty": {fits}}}') == (fits,)
+    with pytest.raises(SerializationError, match=f"column 'qty': {too_big} does not fit"):
+        codec.decode(f'{{"qty": {too_big}}}')
+
+
+def test_a_decimal_must_fit_its_precision_and_scale_exactly() -> None:
+    codec = RowCodec(st.StructType([st.StructField("price", st.DecimalType(5, 2))]))
+    assert codec.decode('{"price": "999.99"}') == (Decimal("999.99"),)
+    assert codec.decode('{"price": "1.230"}') == (Decimal("1.230"),)  # no digit is lost
+    assert codec.decode('{"price": "0.00"}') == (Decimal("0.00"),)
+    for text in ("1.234", "1000", "-1000.5"):  # Spark would round the first, fail the others
+        with pytest.raises(SerializationError, match=r"column 'price': .* does not fit decimal"):
+            codec.decode(f'{{"price": "{text}"}}')
+    with pytest.raises(SerializationError, match="not a finite decimal"):
+        codec.decode('{"price": "NaN"}')
+
+
+def test_a_float_must_fit_its_range() -> None:
+    codec = RowCodec(
+        st.StructType([st.StructField("f", st.FloatType()), st.StructField("d", st.DoubleType())])
+    )
+    assert codec.decode('{"f": 1.5, "d": 1e300}') == (1.5, 1e300)
+    with pytest.raises(SerializationError, match=r"column 'f': 1e\+300 does not fit float"):
+        codec.decode('{"f": 1e300}')
+    with pytest.raises(SerializationError, match=r"column 'd': .* does not fit double"):
+        codec.decode('{"d": 1' + "0" * 400 + "}")
+
+
+def test_maps_keyed_by_arrays_and_structs_round_trip() -> None:
+    keyed = st.StructType(
+        [
+            st.StructField("by_array", st.MapType(st.ArrayType(st.IntegerType()), st.LongType())),
+            st.StructField(
+                "by_struct",
+                st.MapType(
+                    st.StructType([st.StructField("bins", st.ArrayType(st.IntegerType()))]),
+                    st.StringType(),
+                ),
+            ),
+        ]
+    )
+    codec = RowCodec(keyed)
+    row = {"by_array": [([1, 2], 3), ([4], None)], "by_struct": [({"bins": [7]}, "x")]}
+    by_array, by_struct = codec.decode(codec.encode(row))
+    assert list(by_array.items()) == [([1, 2], 3), ([4], None)]
+    [(key, value)] = by_struct.items()
+    assert key.bins == [7]
+    assert value == "x"
+
+
+def test_decode_columns_keeps_what_decodes_and_names_what_does_not() -> None:
+    codec = RowCodec(SCHEMA)
+    decoded = codec.decode_columns(b'{"id": "ORDERID_1", "n": "seven", "day": "yesterday"}')
+    assert decoded.values[0] == "ORDERID_1"
+    assert decoded.values[1] is None
+    assert set(decoded.errors) == {"n", "day"}
+    assert "column 'n': expected a whole number" in decoded.errors["n"]
+    assert "column 'day': 'yesterday' is not an ISO date" in decoded.errors["day"]
+    assert codec.decode_columns(b'{"id": "ORDERID_1"}').errors == {}
+    whole = codec.decode_columns(b"[1, 2]")
+    assert whole.values == (None,) * len(SCHEMA.fields)
+    assert list(whole.errors.values()) == ["body: expected a JSON object, got list"]

@@ -1,0 +1,126 @@
+"""A row whose values cannot be read is dead-lettered on its own, with the reason and its
+original body; the rest of its batch flows on and the query keeps running.
+
+Real local Spark, a real redis-server and real Delta tables: the retry stream is the one a
+job unions, and the rows reach ``@exactly_once`` the way ``foreachBatch`` hands them over.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import types as st
+from spark_helpers import config_for, dead_letters
+
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer
+from idem.retry.engine import RetryEngine
+from idem.spark.decorator import ExactlyOnce, exactly_once
+from idem.spark.retry_source import retry_stream
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+
+class Keeper:
+    """A sink that keeps the rows it is given and fails every one while ``failing``."""
+
+    def __init__(self, *, failing: bool) -> None:
+        self.failing = failing
+        self.rows: list[dict[str, Any]] = []
+
+    def __call__(self, fresh: DataFrame, batch_id: int) -> list[str]:
+        got = fresh.toArrow().to_pylist()
+        self.rows += got
+        return [r["order_id"] for r in got] if self.failing else []
+
+
+def _wait_until_due(config: IdemConfig, client: redis.Redis) -> None:
+    engine = RetryEngine(config, client=client)
+    due = engine.next_due_ms()
+    assert due is not None
+    engine.clock.sleep(max(0, due - engine.clock.now_ms()) / 1000 + 0.05)
+
+
+def test_retries_that_no_longer_fit_the_schema_are_dead_lettered_and_the_rest_flow_on(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "schema-change")
+    rows = [
+        ("A", 2**40, Decimal("1.000")),  # qty no longer fits an int
+        ("B", 1, Decimal("9.990")),  # fits: 9.99
+        ("C", 2, Decimal("1.234")),  # a third decimal place the new column cannot keep
+        ("D", 3, Decimal("2.500")),  # with a map keyed by arrays (Python cannot build one)
+    ]
+    bins = "IF(order_id = 'D', map(array(1, 2), 3, array(4), 5), NULL) AS bins"
+    failed = spark.createDataFrame(rows, "order_id string, qty bigint, price decimal(6,3)")
+    failed = failed.selectExpr("*", bins)
+    # The job is redeployed: qty is an int now, price keeps 2 places; bins is unchanged.
+    after = st.StructType(
+        [
+            st.StructField("order_id", st.StringType()),
+            st.StructField("qty", st.IntegerType()),
+            st.StructField("price", st.DecimalType(5, 2)),
+            failed.schema["bins"],
+        ]
+    )
+    first = exactly_once(key="order_id", config=config, client=real_redis)(Keeper(failing=True))
+    first.query_id = "before"
+    assert first.process(failed, 0).failed == 4
+    _wait_until_due(config, real_redis)
+
+    # The redeployed job's retry stream brings the rows back.
+    keeper = Keeper(failing=False)
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(keeper)
+    query = (
+        retry_stream(spark, schema=after, config=config)
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+
+    got = {r["order_id"]: r for r in keeper.rows}
+    assert sorted(got) == ["B", "D"]
+    assert got["B"]["qty"] == 1
+    assert got["B"]["price"] == Decimal("9.99")
+    assert sorted(got["D"]["bins"]) == [([1, 2], 3), ([4], 5)]
+    letters = {d.key: d for d in dead_letters(config)}
+    assert sorted(letters) == ["A", "C"]
+    assert "column 'qty': 1099511627776 does not fit int" in (letters["A"].last_error or "")
+    assert "column 'price': 1.234 does not fit decimal(5,2)" in (letters["C"].last_error or "")
+    assert "key is null" not in (letters["A"].last_error or "")
+    # The dead letter keeps the message as it was, with every column's original value.
+    assert b'"qty":1099511627776' in letters["A"].body
+    assert b'"price":"1.234"' in letters["C"].body
+    totals = sink.stats.totals()
+    assert (totals.malformed, totals.invalid, totals.applied) == (2, 0, 2)
+    assert RetryEngine(config, client=real_redis).pending() == 0
+
+
+def test_a_row_marked_malformed_is_dead_lettered_with_its_reason_and_never_claimed(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "malformed-column")
+    keeper = Keeper(failing=False)
+    sink = ExactlyOnce(keeper, config=config, key="order_id", client=real_redis)
+    sink.query_id = "q"
+    schema = "order_id string, qty int, _idem_malformed string"
+    df = spark.createDataFrame(
+        [("A", None, "column 'qty': 7.5 is not a whole number"), ("B", 2, None)], schema
+    )
+    outcome = sink.process(df, 0)
+    assert (outcome.applied, outcome.malformed, outcome.invalid, outcome.dead) == (1, 1, 0, 1)
+    assert keeper.rows == [{"order_id": "B", "qty": 2}]  # no bookkeeping column either
+    [letter] = dead_letters(config)
+    assert letter.key == "A"
+    assert "malformed: column 'qty': 7.5 is not a whole number" in (letter.last_error or "")
+    # A is not claimed: a later good copy of it is fresh.
+    again = sink.process(spark.createDataFrame([("A", 1, None)], schema), 1)
+    assert again.applied_keys == ("A",)
