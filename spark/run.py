@@ -2,7 +2,8 @@
 
 JSON-lines files in a directory are read as a Spark stream, unioned with the
 group's retry stream, and written through :class:`ExactlyOnce` to a Delta
-sink table (its own ledger) and/or a user function. The query is restartable
+sink table (its own ledger) and/or a user function. A line that is not valid
+JSON for the schema is dead-lettered with the line as its body. The query is restartable
 from its checkpoint (the same query id, so a replayed batch re-takes its own
 claims). ``available_now`` processes what is there — including retries, which
 it waits for while any is scheduled — and returns.
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 import redis
 from deltalake import DeltaTable
 from pyspark.errors import StreamingQueryException
-from pyspark.sql.types import StructType
+from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
+from pyspark.sql.types import StringType, StructField, StructType
 from redis.exceptions import RedisClusterException
 
 from idem.config import IdemConfig
@@ -40,12 +42,13 @@ from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, SinkFunction
 from idem.spark.faults import CrashPlan
-from idem.spark.retry_source import with_retries
+from idem.spark.messages import MALFORMED_COLUMN, RAW_BODY_COLUMN
+from idem.spark.retry_source import retry_stream
 from idem.spark.rows import schema_from_ddl, schema_from_json
 from idem.spark.stats import StatsStore, Totals
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
 log = logging.getLogger(__name__)
@@ -267,16 +270,15 @@ class Pipeline:
 
     def _query(self, trigger_seconds: float) -> StreamingQuery:
         schema = source_schema(self.spark, self.spec, self.checkpoint)
-        reader = self.spark.readStream.schema(schema)
-        if self.spec.max_files_per_trigger:
-            reader = reader.option("maxFilesPerTrigger", self.spec.max_files_per_trigger)
-        main = reader.json(self.spec.source)
-        if self.spec.key not in main.columns:
+        if self.spec.key not in schema.fieldNames():
             raise ConfigError(
                 f"--key: the source rows have no field {self.spec.key!r} "
-                f"(fields: {', '.join(main.columns)})"
+                f"(fields: {', '.join(schema.fieldNames())})"
             )
-        stream = with_retries(main, config=self.sink.config)
+        stream = self._source_rows(schema).unionByName(
+            retry_stream(self.spark, schema=schema, config=self.sink.config),
+            allowMissingColumns=True,
+        )
         return (
             stream.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", self.checkpoint)
@@ -284,6 +286,26 @@ class Pipeline:
             .trigger(processingTime=f"{trigger_seconds} seconds")
             .start()
         )
+
+    def _source_rows(self, schema: StructType) -> DataFrame:
+        """The source files' rows; a line Spark cannot parse with ``schema`` (not JSON, or a
+        value of the wrong type) keeps its text for its dead letter (``_idem_raw_body``) and
+        says why (``_idem_malformed``)."""
+        raw = StructField(RAW_BODY_COLUMN, StringType(), True)
+        reader = (
+            self.spark.readStream.schema(StructType([*schema.fields, raw]))
+            .option("mode", "PERMISSIVE")
+            .option("columnNameOfCorruptRecord", RAW_BODY_COLUMN)
+        )
+        if self.spec.max_files_per_trigger:
+            reader = reader.option("maxFilesPerTrigger", self.spec.max_files_per_trigger)
+        rows = reader.json(self.spec.source)
+        why = F.concat(
+            F.lit("line of "),
+            F.col("_metadata.file_name"),
+            F.lit(" is not valid JSON for the schema"),
+        )
+        return rows.withColumn(MALFORMED_COLUMN, F.when(F.col(RAW_BODY_COLUMN).isNotNull(), why))
 
     def run(self, *, on_started: Callable[[StreamingQuery], None] | None = None) -> RunReport:
         """Run as asked (``available_now``, or until interrupted / timed out); then report."""

@@ -15,13 +15,14 @@ import pytest
 import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
-from spark_helpers import config_for, dead_letters
+from spark_helpers import config_for, dead_letters, sink_key_counts
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, exactly_once
 from idem.spark.retry_source import retry_stream
+from idem.spark.run import Pipeline, RunSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -124,3 +125,41 @@ def test_a_row_marked_malformed_is_dead_lettered_with_its_reason_and_never_claim
     # A is not claimed: a later good copy of it is fresh.
     again = sink.process(spark.createDataFrame([("A", 1, None)], schema), 1)
     assert again.applied_keys == ("A",)
+
+
+def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_line_kept(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    truncated = '{"order_id": "ORDERID_8", "amount": 8.0, "note": "trunc'
+    wrong_type = '{"order_id": "ORDERID_9", "amount": "abc"}'
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "part-0000.json").write_text(
+        "\n".join(['{"order_id": "ORDERID_7", "amount": 7.0}', truncated, wrong_type]) + "\n",
+        encoding="utf-8",
+    )
+    config = config_for(tmp_path, redis_server.url, "corrupt-lines")
+    spec = RunSpec(
+        source=str(source),
+        key="order_id",
+        sink_delta=str(tmp_path / "sink"),
+        checkpoint=str(tmp_path / "checkpoint"),
+        available_now=True,
+        schema="order_id string, amount double",
+    )
+    pipeline = Pipeline(spark, config, spec, client=redis_server.client())
+    try:
+        report = pipeline.run()
+    finally:
+        pipeline.close()
+
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_7": 1}
+    letters = sorted(dead_letters(config), key=lambda d: d.body)
+    assert [d.body.decode() for d in letters] == [truncated, wrong_type]
+    assert [d.key for d in letters] == [None, "ORDERID_9"]  # what Spark could parse of it
+    for letter in letters:
+        assert "line of part-0000.json is not valid JSON for the schema" in (
+            letter.last_error or ""
+        )
+    assert (report.totals.malformed, report.totals.invalid, report.dead_letters) == (2, 0, 2)
+    assert report.pending_retries == 0
