@@ -261,11 +261,16 @@ class ExactlyOnce:
         clock.lap("commit")
         crash_point(CrashPoint.AFTER_COMMIT, run.batch_id, self.crash_plan)
         run.send_back(failed)
-        crash_point(CrashPoint.AFTER_SEND_BACK, run.batch_id, self.crash_plan)
-        run.ack_retried()
         clock.lap("send_back")
+        crash_point(CrashPoint.AFTER_SEND_BACK, run.batch_id, self.crash_plan)
         outcome = run.outcome(clock.laps)
+        # Recorded before the retry rows are acknowledged: a replay after a crash between
+        # the two reads them again (and record adds a batch once), where a replay after
+        # the ack would find them gone, the batch perhaps empty, and count nothing.
         self.stats.record(outcome)
+        crash_point(CrashPoint.AFTER_RECORD, run.batch_id, self.crash_plan)
+        run.ack_retried()
+        crash_point(CrashPoint.AFTER_ACK, run.batch_id, self.crash_plan)
         crash_point(CrashPoint.AFTER_BATCH, run.batch_id, self.crash_plan)
         _log_outcome(outcome)
         return outcome

@@ -27,6 +27,10 @@ class CrashPoint(StrEnum):
     AFTER_SINK = "after_sink"
     AFTER_COMMIT = "after_commit"
     AFTER_SEND_BACK = "after_send_back"
+    AFTER_RECORD = "after_record"
+    """After the batch's counters are recorded, before its retry rows are acknowledged."""
+    AFTER_ACK = "after_ack"
+    """After the batch's retry rows are acknowledged (removed from the retry topic)."""
     AFTER_BATCH = "after_batch"
     """After everything of the batch, before Spark writes its commit log entry."""
 
