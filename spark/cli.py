@@ -124,9 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--source: directory {args.source} does not exist")
     if not args.sink_delta and not args.sink_fn:
         raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
+    spec = run_spec(args)  # a bad argument is exit 2 before anything starts
     config = _config(args)
     client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
-    spec = run_spec(args)
     session = local_session(f"idem-run-{config.group}", conf=_spark_conf(args.spark_conf))
     pipeline = Pipeline(session, config, spec, client=client)
     try:

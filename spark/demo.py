@@ -36,6 +36,7 @@ from idem.spark.demo_data import (
     DEMO_MAX_RECONSUME_TIMES,
     KEY_FIELD,
     DemoData,
+    check_sizes,
     write_demo_data,
 )
 from idem.spark.faults import CrashPlan, CrashPoint
@@ -160,6 +161,7 @@ def run_demo(
     ``crash_after_batch`` stages a driver failure after that batch's commit (before
     Spark's commit log): the query is restarted and Spark replays the batch.
     """
+    check_sizes(orders=orders, files=files)  # before Redis and Spark start
     out = out or sys.stdout
     started = time.monotonic()
     root = Path(workdir or tempfile.mkdtemp(prefix="idem-demo-"))

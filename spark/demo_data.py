@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from idem.errors import ConfigError
+
 KEY_FIELD = "order_id"
 """The business key of the demo's orders."""
 
@@ -64,6 +66,20 @@ def _order(rng: random.Random, n: int, *, amount: float | None = None) -> dict[s
     }
 
 
+def check_sizes(*, orders: int, files: int, poison: int = 3) -> None:
+    """Refuse an order count or file count the demo cannot be made of (``--orders``,
+    ``--files``): at least one file, and enough orders for the poison ones, a good one,
+    and one in every file."""
+    if files < 1:
+        raise ConfigError(f"--files: the demo needs at least 1 file, got {files}")
+    least = max(files, poison + 1)
+    if orders < least:
+        raise ConfigError(
+            f"--orders: the demo needs at least {least} orders ({poison} poison, one good, "
+            f"one in each of {files} file(s)), got {orders}"
+        )
+
+
 def write_demo_data(
     directory: str | Path,
     *,
@@ -76,6 +92,7 @@ def write_demo_data(
     seed: int = 7,
 ) -> DemoData:
     """Write ``files`` JSON-lines files of ``orders`` orders with the patterns above."""
+    check_sizes(orders=orders, files=files, poison=poison)
     rng = random.Random(seed)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from idem.errors import LedgerError
 from idem.ledger.schema import datetime_of_ms
 from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
 from idem.retry.engine import RetryEngine
@@ -133,7 +134,7 @@ def replay(
         sent += len(result.scheduled) + len(result.fallback)
         dead += len(result.dead)
         if not result.acknowledged:
-            raise RuntimeError(
+            raise LedgerError(
                 f"replay: {len(result.resubmit)} message(s) could not be stored; run it again"
             )
         # A letter the policy dead-letters again at once stays DEAD: it was not replayed.

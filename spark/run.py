@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import re
 import signal
 import sys
@@ -34,7 +35,7 @@ from pyspark.sql.types import StringType, StructField, StructType
 from redis.exceptions import RedisClusterException
 
 from idem.config import IdemConfig
-from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.errors import ConfigError, IdemError, SerializationError, StoreUnavailable
 from idem.ledger import read_table
 from idem.redis_client import connect, redacted
 from idem.redis_cluster import RedisClient
@@ -93,6 +94,22 @@ class RunSpec:
     leases: bool | None = None
     """Whether claims take leases in Redis (``None``: only with a function sink; pass
     ``True`` when another writer of the group runs a function sink or a consumer)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_seconds is not None and not (
+            math.isfinite(self.timeout_seconds) and self.timeout_seconds > 0
+        ):
+            raise ConfigError(
+                f"--timeout: must be a number of seconds above 0, got {self.timeout_seconds:g}"
+            )
+        if not (math.isfinite(self.trigger_seconds) and self.trigger_seconds >= 0):
+            raise ConfigError(
+                f"--trigger-seconds: must be 0 or more seconds, got {self.trigger_seconds:g}"
+            )
+        if self.max_files_per_trigger is not None and self.max_files_per_trigger < 1:
+            raise ConfigError(
+                f"--max-files-per-trigger: must be at least 1, got {self.max_files_per_trigger}"
+            )
 
     def checkpoint_dir(self, config: IdemConfig) -> str:
         """The checkpoint directory (default ``<data_dir>/<group>/checkpoint``)."""
@@ -198,7 +215,10 @@ def source_schema(spark: SparkSession, spec: RunSpec, checkpoint: str) -> Struct
     """The source rows' schema: ``--schema``, else the one kept in the checkpoint, else inferred."""
     kept = Path(checkpoint) / SCHEMA_FILE
     if spec.schema:
-        schema = schema_from_ddl(spec.schema)
+        try:
+            schema = schema_from_ddl(spec.schema)
+        except SerializationError as exc:
+            raise ConfigError(f"--schema: {str(exc).removeprefix('schema: ')}") from None
     elif kept.is_file():
         return schema_from_json(kept.read_text(encoding="utf-8"))
     else:
@@ -402,7 +422,8 @@ def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
         if timeout_seconds is None:
             query.awaitTermination()
         else:
-            query.awaitTermination(int(timeout_seconds))
+            # Fractions of a second too: PySpark takes a float (its annotation says int).
+            query.awaitTermination(timeout_seconds)  # type: ignore[arg-type]
     except StreamingQueryException as exc:
         log.debug("the streaming query failed", exc_info=True)
         raise QueryFailed(f"the streaming query failed: {root_cause(str(exc))}") from None

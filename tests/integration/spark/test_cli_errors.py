@@ -5,9 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pyspark.sql import SparkSession
 
 from idem.cli import main
-from idem.redis_server import free_port
+from idem.config import IdemConfig
+from idem.redis_server import RedisServer, free_port
+from idem.retry.engine import RetryEngine
+from idem.retry.message import MessageExt
 
 pytestmark = pytest.mark.integration
 
@@ -69,3 +73,88 @@ def test_dlq_replay_without_a_selection_is_exit_2(capsys: pytest.CaptureFixture[
     code, err = _run(capsys, "dlq", "replay", "--group", "g")
     assert code == 2
     assert "name --key K, --msg-id ID or --all" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--timeout", "0", "--timeout: must be a number of seconds above 0, got 0"),
+        ("--timeout", "-3", "--timeout: must be a number of seconds above 0, got -3"),
+        ("--trigger-seconds", "-1", "--trigger-seconds: must be 0 or more seconds, got -1"),
+        ("--max-files-per-trigger", "0", "--max-files-per-trigger: must be at least 1, got 0"),
+    ],
+)
+def test_a_bad_number_for_idem_run_is_exit_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, says: str
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # refused before Redis is even tried
+    code, err = _run(
+        capsys, "run", "--source", str(tmp_path), "--key", "id", "--group", "g",
+        "--sink-delta", str(tmp_path / "sink"), "--redis-url", url, flag, value,
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip() == f"idem: error: {says}"
+
+
+def test_demo_sizes_it_cannot_be_made_of_are_exit_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, err = _run(capsys, "demo", "--orders", "2")
+    assert code == 2
+    assert err.strip() == (
+        "idem: error: --orders: the demo needs at least 6 orders (3 poison, one good, "
+        "one in each of 6 file(s)), got 2"
+    )
+    code, err = _run(capsys, "demo", "--files", "0")
+    assert code == 2
+    assert err.strip() == "idem: error: --files: the demo needs at least 1 file, got 0"
+
+
+@pytest.mark.spark
+def test_a_fractional_timeout_runs_and_a_malformed_schema_is_exit_2_naming_the_flag(
+    spark: SparkSession,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "a.json").write_text('{"order_id": "A", "amount": 1}\n', encoding="utf-8")
+    common = [
+        "run", "--source", str(source), "--key", "order_id", "--redis-url", redis_server.url,
+        "--data-dir", str(tmp_path / "data"),
+    ]  # fmt: skip
+    code, err = _run(
+        capsys, *common, "--group", "half-second", "--sink-delta", str(tmp_path / "sink1"),
+        "--timeout", "0.5",
+    )  # fmt: skip
+    assert code == 0
+    assert "Traceback" not in err
+    code, err = _run(
+        capsys, *common, "--group", "bad-schema", "--sink-delta", str(tmp_path / "sink2"),
+        "--schema", "order_id strin, amount double", "--available-now",
+    )  # fmt: skip
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert line.startswith("idem: error: --schema: 'order_id strin, amount double' is not a ")
+    assert 'Unsupported data type "STRIN"' in line
+
+
+def test_a_dlq_replay_that_cannot_store_its_messages_is_exit_1_saying_so(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = IdemConfig(group="unstored", redis_url=redis_server.url, data_dir=str(tmp_path))
+    engine = RetryEngine(config, client=redis_server.client())
+    dead = MessageExt(
+        topic="orders", msg_id="M" * 32, body=b'{"order_id":"A"}', keys="A", queue_id=0,
+        queue_offset=0, born_timestamp=0, store_timestamp=0, reconsume_times=0, properties={},
+    )  # fmt: skip
+    assert engine.send_back([dead], delay_level=-1).acknowledged
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("", encoding="utf-8")  # the journal cannot live under a file
+    code, err = _run(
+        capsys, "dlq", "replay", "--all", "--group", config.group, "--redis-url",
+        redis_server.url, "--data-dir", str(tmp_path), "--journal-path", str(blocked / "journal"),
+    )  # fmt: skip
+    assert code == 1
+    assert "idem: error: replay: 1 message(s) could not be stored; run it again" in err
