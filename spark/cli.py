@@ -293,7 +293,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument(
         "--available-now",
         action="store_true",
-        help="process everything available (and the retries it causes), then exit",
+        help="process the files there at the start (and the retries they cause), then "
+        "exit; files that land meanwhile are left for the next run",
     )
     run.add_argument(
         "--leases",

@@ -5,8 +5,9 @@ group's retry stream, and written through :class:`ExactlyOnce` to a Delta
 sink table (its own ledger) and/or a user function. A line that is not valid
 JSON for the schema is dead-lettered with the line as its body. The query is restartable
 from its checkpoint (the same query id, so a replayed batch re-takes its own
-claims). ``available_now`` processes what is there — including retries, which
-it waits for while any is scheduled — and returns.
+claims). ``available_now`` processes the files there when it starts — and the
+retries they cause, which it waits for while any is scheduled — and returns;
+files that land meanwhile are left for the next run.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 AVAILABLE_NOW_TRIGGER_S = 0.5
-"""Trigger interval while ``available_now`` drains the sources and the retries."""
+"""Trigger interval while ``available_now`` waits for the retries its rows caused."""
+
+NO_FILE_GLOB = "idem-takes-no-file/"
+"""A file-name filter no file matches (a name has no ``/``): the file source of the query
+that only waits for retries."""
 
 STALL_S = 30.0
 """How long ``available_now`` waits on retries that are pending but neither due nor moving."""
@@ -288,26 +293,29 @@ class Pipeline:
         self.engine = RetryEngine(self.sink.config, client=self.client)
         self.stats = StatsStore(self.client, config.group, marker_ttl_ms=config.dedup_window_ms)
 
-    def _query(self, trigger_seconds: float) -> StreamingQuery:
+    def _query(self, trigger_seconds: float | None, *, new_files: bool = True) -> StreamingQuery:
+        """Start the query: ``trigger_seconds`` apart, or ``None`` for Spark's AvailableNow;
+        ``new_files=False`` lets the file source take no file (retries only)."""
         schema = source_schema(self.spark, self.spec, self.checkpoint)
         if self.spec.key not in schema.fieldNames():
             raise ConfigError(
                 f"--key: the source rows have no field {self.spec.key!r} "
                 f"(fields: {', '.join(schema.fieldNames())})"
             )
-        stream = self._source_rows(schema).unionByName(
+        stream = self._source_rows(schema, new_files=new_files).unionByName(
             retry_stream(self.spark, schema=schema, config=self.sink.config),
             allowMissingColumns=True,
         )
-        return (
+        writer = (
             stream.writeStream.foreachBatch(self.sink)
             .option("checkpointLocation", self.checkpoint)
             .queryName(f"idem_{self.config.group}".replace("-", "_").replace(".", "_"))
-            .trigger(processingTime=f"{trigger_seconds} seconds")
-            .start()
         )
+        if trigger_seconds is None:
+            return writer.trigger(availableNow=True).start()
+        return writer.trigger(processingTime=f"{trigger_seconds} seconds").start()
 
-    def _source_rows(self, schema: StructType) -> DataFrame:
+    def _source_rows(self, schema: StructType, *, new_files: bool = True) -> DataFrame:
         """The source files' rows; a line Spark cannot parse with ``schema`` (not JSON, or a
         value of the wrong type) keeps its text for its dead letter (``_idem_raw_body``) and
         says why (``_idem_malformed``)."""
@@ -317,6 +325,9 @@ class Pipeline:
             .option("mode", "PERMISSIVE")
             .option("columnNameOfCorruptRecord", RAW_BODY_COLUMN)
         )
+        if not new_files:
+            # Files the filter leaves out are not marked seen: the next run takes them.
+            reader = reader.option("pathGlobFilter", NO_FILE_GLOB)
         if self.spec.max_files_per_trigger:
             reader = reader.option("maxFilesPerTrigger", self.spec.max_files_per_trigger)
         rows = reader.json(self.spec.source)
@@ -328,25 +339,38 @@ class Pipeline:
         return rows.withColumn(MALFORMED_COLUMN, F.when(F.col(RAW_BODY_COLUMN).isNotNull(), why))
 
     def run(self, *, on_started: Callable[[StreamingQuery], None] | None = None) -> RunReport:
-        """Run as asked (``available_now``, or until interrupted / timed out); then report."""
-        trigger = AVAILABLE_NOW_TRIGGER_S if self.spec.available_now else self.spec.trigger_seconds
-        query = self._query(trigger)
-        if on_started is not None:
-            on_started(query)
+        """Run as asked (``available_now``, or until interrupted / timed out); then report.
+
+        ``on_started`` gets the query once it runs (with ``available_now``, the one that
+        takes the source files).
+        """
         previous = _on_sigterm_interrupt()
         try:
             if self.spec.available_now:
-                self._until_idle(query)
+                self._available_now(on_started)
             else:
-                _await(query, self.spec.timeout_seconds)
+                query = self._query(self.spec.trigger_seconds)
+                _drive(query, lambda q: _await(q, self.spec.timeout_seconds), on_started)
         except KeyboardInterrupt:
             log.info("interrupted; stopping the query")
         finally:
-            if query.isActive:
-                query.stop()
             _restore_sigterm(previous)
-        _raise_if_failed(query)
         return self.report()
+
+    def _available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> None:
+        """The source files there now and the retries they cause, then return.
+
+        First Spark's own ``Trigger.AvailableNow``: the files present when the query
+        starts (and the retries due then), in as many batches as ``max_files_per_trigger``
+        makes, then the query stops; a file that lands meanwhile waits for the next run.
+        Rows that failed are scheduled on the delay ladder, which AvailableNow does not
+        wait for: while any is pending, a second query that takes no file picks them up
+        as they come due (:meth:`_until_idle`).
+        """
+        _drive(self._query(None), _await, on_started)
+        if self.engine.pending() == 0:
+            return
+        _drive(self._query(AVAILABLE_NOW_TRIGGER_S, new_files=False), self._until_idle, None)
 
     def _until_idle(self, query: StreamingQuery) -> None:
         """Wait until every source is drained and no retry is scheduled or in the topic.
@@ -427,6 +451,22 @@ def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
     except StreamingQueryException as exc:
         log.debug("the streaming query failed", exc_info=True)
         raise QueryFailed(f"the streaming query failed: {root_cause(str(exc))}") from None
+    _raise_if_failed(query)
+
+
+def _drive(
+    query: StreamingQuery,
+    wait: Callable[[StreamingQuery], None],
+    on_started: Callable[[StreamingQuery], None] | None = None,
+) -> None:
+    """Wait for ``query`` as ``wait`` does, stop it whatever happens, raise its failure."""
+    try:
+        if on_started is not None:
+            on_started(query)
+        wait(query)
+    finally:
+        if query.isActive:
+            query.stop()
     _raise_if_failed(query)
 
 
