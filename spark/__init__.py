@@ -1,8 +1,8 @@
 """idem.spark: PySpark glue (exactly-once foreachBatch, retry stream, Delta sinks, DLQ tools)."""
 
-from idem.spark.batch import BatchOutcome
 from idem.spark.decorator import ExactlyOnce, exactly_once
 from idem.spark.delta_sink import delta_sink
+from idem.spark.outcome import BatchOutcome
 from idem.spark.retry_source import retry_stream, with_retries
 from idem.spark.rows import RowCodec
 from idem.spark.run import Pipeline, RunReport, RunSpec

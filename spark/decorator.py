@@ -48,7 +48,7 @@ from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
 from idem.retry.engine import RetryEngine
 from idem.retry.status import ConsumeConcurrentlyStatus
-from idem.spark.batch import BatchOutcome, BatchRun
+from idem.spark.batch import BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
@@ -56,6 +56,7 @@ from idem.spark.messages import (
     MSG_ID_COLUMN,
     RECONSUME_TIMES_COLUMN,
 )
+from idem.spark.outcome import BatchOutcome
 from idem.spark.rows import RowCodec
 from idem.spark.stats import StatsStore
 

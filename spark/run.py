@@ -31,12 +31,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 import redis
 from deltalake import DeltaTable
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
-from pyspark.sql.types import StringType, StructField, StructType
 from redis.exceptions import RedisClusterException
 
 from idem.config import IdemConfig
-from idem.errors import ConfigError, IdemError, SerializationError, StoreUnavailable
+from idem.errors import ConfigError, IdemError, StoreUnavailable
 from idem.ledger import read_table
 from idem.redis_client import connect, redacted
 from idem.redis_cluster import RedisClient
@@ -44,13 +42,12 @@ from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, SinkFunction
 from idem.spark.faults import CrashPlan
-from idem.spark.messages import MALFORMED_COLUMN, RAW_BODY_COLUMN
+from idem.spark.file_source import file_rows, source_schema
 from idem.spark.retry_source import retry_stream
-from idem.spark.rows import schema_from_ddl, schema_from_json
 from idem.spark.stats import StatsStore, Totals
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
 log = logging.getLogger(__name__)
@@ -58,18 +55,11 @@ log = logging.getLogger(__name__)
 AVAILABLE_NOW_TRIGGER_S = 0.5
 """Trigger interval while ``available_now`` waits for the retries its rows caused."""
 
-NO_FILE_GLOB = "idem-takes-no-file/"
-"""A file-name filter no file matches (a name has no ``/``): the file source of the query
-that only waits for retries."""
-
 STALL_S = 30.0
 """How long ``available_now`` waits on retries that are pending but neither due nor moving."""
 
 _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
 """Spark's status messages of a query that has nothing to do."""
-
-SCHEMA_FILE = "idem-schema.json"
-"""Where the checkpoint keeps the schema of the source files (so restarts agree)."""
 
 
 class QueryFailed(IdemError):
@@ -216,31 +206,6 @@ def check_redis(url: str, timeout: float = 3.0) -> RedisClient:
     return client
 
 
-def source_schema(spark: SparkSession, spec: RunSpec, checkpoint: str) -> StructType:
-    """The source rows' schema: ``--schema``, else the one kept in the checkpoint, else inferred."""
-    kept = Path(checkpoint) / SCHEMA_FILE
-    if spec.schema:
-        try:
-            schema = schema_from_ddl(spec.schema)
-        except SerializationError as exc:
-            raise ConfigError(f"--schema: {str(exc).removeprefix('schema: ')}") from None
-    elif kept.is_file():
-        return schema_from_json(kept.read_text(encoding="utf-8"))
-    else:
-        files = [p for p in Path(spec.source).iterdir() if not p.name.startswith((".", "_"))]
-        if not any(p.is_file() for p in files):
-            raise ConfigError(
-                f"--source: {spec.source} holds no files to infer the schema from; pass --schema"
-            )
-        schema = spark.read.json(spec.source).schema
-        corrupt = "_corrupt_record"
-        if corrupt in schema.fieldNames():
-            schema = StructType([f for f in schema.fields if f.name != corrupt])
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    kept.write_text(schema.json(), encoding="utf-8")
-    return schema
-
-
 def sink_check(path: str) -> SinkCheck | None:
     """Count rows and distinct keys of a Delta sink table (``None`` if it does not exist)."""
     if not DeltaTable.is_deltatable(path):
@@ -296,13 +261,23 @@ class Pipeline:
     def _query(self, trigger_seconds: float | None, *, new_files: bool = True) -> StreamingQuery:
         """Start the query: ``trigger_seconds`` apart, or ``None`` for Spark's AvailableNow;
         ``new_files=False`` lets the file source take no file (retries only)."""
-        schema = source_schema(self.spark, self.spec, self.checkpoint)
+        spec = self.spec
+        schema = source_schema(
+            self.spark, source=spec.source, ddl=spec.schema, checkpoint=self.checkpoint
+        )
         if self.spec.key not in schema.fieldNames():
             raise ConfigError(
                 f"--key: the source rows have no field {self.spec.key!r} "
                 f"(fields: {', '.join(schema.fieldNames())})"
             )
-        stream = self._source_rows(schema, new_files=new_files).unionByName(
+        rows = file_rows(
+            self.spark,
+            schema,
+            source=spec.source,
+            max_files_per_trigger=spec.max_files_per_trigger,
+            new_files=new_files,
+        )
+        stream = rows.unionByName(
             retry_stream(self.spark, schema=schema, config=self.sink.config),
             allowMissingColumns=True,
         )
@@ -314,29 +289,6 @@ class Pipeline:
         if trigger_seconds is None:
             return writer.trigger(availableNow=True).start()
         return writer.trigger(processingTime=f"{trigger_seconds} seconds").start()
-
-    def _source_rows(self, schema: StructType, *, new_files: bool = True) -> DataFrame:
-        """The source files' rows; a line Spark cannot parse with ``schema`` (not JSON, or a
-        value of the wrong type) keeps its text for its dead letter (``_idem_raw_body``) and
-        says why (``_idem_malformed``)."""
-        raw = StructField(RAW_BODY_COLUMN, StringType(), True)
-        reader = (
-            self.spark.readStream.schema(StructType([*schema.fields, raw]))
-            .option("mode", "PERMISSIVE")
-            .option("columnNameOfCorruptRecord", RAW_BODY_COLUMN)
-        )
-        if not new_files:
-            # Files the filter leaves out are not marked seen: the next run takes them.
-            reader = reader.option("pathGlobFilter", NO_FILE_GLOB)
-        if self.spec.max_files_per_trigger:
-            reader = reader.option("maxFilesPerTrigger", self.spec.max_files_per_trigger)
-        rows = reader.json(self.spec.source)
-        why = F.concat(
-            F.lit("line of "),
-            F.col("_metadata.file_name"),
-            F.lit(" is not valid JSON for the schema"),
-        )
-        return rows.withColumn(MALFORMED_COLUMN, F.when(F.col(RAW_BODY_COLUMN).isNotNull(), why))
 
     def run(self, *, on_started: Callable[[StreamingQuery], None] | None = None) -> RunReport:
         """Run as asked (``available_now``, or until interrupted / timed out); then report.
