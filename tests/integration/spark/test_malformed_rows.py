@@ -15,7 +15,7 @@ import pytest
 import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
-from spark_helpers import config_for, dead_letters, sink_key_counts
+from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
@@ -105,6 +105,39 @@ def test_retries_that_no_longer_fit_the_schema_are_dead_lettered_and_the_rest_fl
     assert RetryEngine(config, client=real_redis).pending() == 0
 
 
+def test_a_retry_without_a_value_for_a_column_that_is_not_nullable_is_dead_lettered(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "not-nullable")
+    first = exactly_once(key="order_id", config=config, client=real_redis)(Keeper(failing=True))
+    first.query_id = "before"
+    first.process(spark.createDataFrame([("A",)], "order_id string"), 0)
+    _wait_until_due(config, real_redis)
+
+    # The job now has a column that must not be null, which the waiting row never had.
+    after = st.StructType(
+        [
+            st.StructField("order_id", st.StringType()),
+            st.StructField("region", st.StringType(), False),
+        ]
+    )
+    keeper = Keeper(failing=False)
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(keeper)
+    query = (
+        retry_stream(spark, schema=after, config=config)
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    assert keeper.rows == []
+    [letter] = dead_letters(config)
+    assert letter.key == "A"
+    assert "column 'region': no value, and it is not nullable" in (letter.last_error or "")
+
+
 def test_a_row_marked_malformed_is_dead_lettered_with_its_reason_and_never_claimed(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -154,6 +187,8 @@ def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_l
         pipeline.close()
 
     assert sink_key_counts(tmp_path / "sink") == {"ORDERID_7": 1}
+    [row] = sink_rows(tmp_path / "sink")
+    assert {"_idem_raw_body", "_idem_malformed"}.isdisjoint(row)  # bookkeeping stays out
     letters = sorted(dead_letters(config), key=lambda d: d.body)
     assert [d.body.decode() for d in letters] == [truncated, wrong_type]
     assert [d.key for d in letters] == [None, "ORDERID_9"]  # what Spark could parse of it
