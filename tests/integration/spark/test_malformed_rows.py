@@ -75,17 +75,7 @@ def test_retries_that_no_longer_fit_the_schema_are_dead_lettered_and_the_rest_fl
     _wait_until_due(config, real_redis)
 
     # The redeployed job's retry stream brings the rows back.
-    keeper = Keeper(failing=False)
-    sink = exactly_once(key="order_id", config=config, client=real_redis)(keeper)
-    query = (
-        retry_stream(spark, schema=after, config=config)
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination(120)
-    assert query.exception() is None
+    keeper, sink = _drain_retries(spark, config, real_redis, after, tmp_path / "checkpoint")
 
     got = {r["order_id"]: r for r in keeper.rows}
     assert sorted(got) == ["B", "D"]
@@ -121,17 +111,7 @@ def test_a_retry_without_a_value_for_a_column_that_is_not_nullable_is_dead_lette
             st.StructField("region", st.StringType(), False),
         ]
     )
-    keeper = Keeper(failing=False)
-    sink = exactly_once(key="order_id", config=config, client=real_redis)(keeper)
-    query = (
-        retry_stream(spark, schema=after, config=config)
-        .writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(tmp_path / "checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination(120)
-    assert query.exception() is None
+    keeper, _ = _drain_retries(spark, config, real_redis, after, tmp_path / "checkpoint")
     assert keeper.rows == []
     [letter] = dead_letters(config)
     assert letter.key == "A"
@@ -198,3 +178,26 @@ def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_l
         )
     assert (report.totals.malformed, report.totals.invalid, report.dead_letters) == (2, 0, 2)
     assert report.pending_retries == 0
+
+
+def _drain_retries(
+    spark: SparkSession,
+    config: IdemConfig,
+    client: redis.Redis,
+    schema: st.StructType,
+    checkpoint: Path,
+) -> tuple[Keeper, ExactlyOnce]:
+    """The redeployed job: its retry stream (under ``schema``) through the decorator, until
+    nothing is available; returns what reached the sink, and the decorated sink."""
+    keeper = Keeper(failing=False)
+    sink = exactly_once(key="order_id", config=config, client=client)(keeper)
+    query = (
+        retry_stream(spark, schema=schema, config=config)
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    return keeper, sink
