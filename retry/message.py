@@ -261,9 +261,18 @@ class FailureRecord:
     def of(cls, error: str | BaseException | None, at_ms: int) -> FailureRecord:
         """From an exception (its class name and text) or a plain reason string."""
         if isinstance(error, BaseException):
-            return cls(at_ms, type(error).__name__, str(error)[:MAX_ERROR_MESSAGE_CHARS])
+            return cls(at_ms, type(error).__name__, _storable(str(error)))
         text = "RECONSUME_LATER" if error is None else str(error)
-        return cls(at_ms, "ConsumeFailed", text[:MAX_ERROR_MESSAGE_CHARS])
+        return cls(at_ms, "ConsumeFailed", _storable(text))
+
+
+def _storable(text: str) -> str:
+    """Error text as it can be stored (cut to :data:`MAX_ERROR_MESSAGE_CHARS`; a lone
+    surrogate, e.g. from a JSON value the sink quoted, written as ``\\ud800``)."""
+    text = text[:MAX_ERROR_MESSAGE_CHARS]
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 MAX_TIMESTAMP_MS: Final = 253_402_300_799_999

@@ -285,3 +285,19 @@ def test_one_journal_or_dlq_path_for_two_groups_is_refused(
     with pytest.raises(ConfigError, match=r"dlq_path: .* is '%DLQ%orders', not '%DLQ%payments'"):
         other.dlq.list()
     assert first.pending() == 1  # orders' retry is untouched
+
+
+def test_an_error_text_that_is_not_valid_unicode_is_stored_escaped(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    # A sink quoted a JSON value with a lone surrogate in its error: the message must still
+    # go on its ladder and, at the end, into the DLQ (it was refused for good before).
+    engine = RetryEngine(_config(tmp_path, redis_server, "surrogate"), client=real_redis)
+    error = ValueError("order \ud800 not found")
+    [message] = _messages(1)
+    sent = engine.send_back([message], errors={message.msg_id: error})
+    assert [o.status for o in sent.outcomes] == [SendBackStatus.SCHEDULED]
+    dead = engine.send_back([message], delay_level=-1, errors={message.msg_id: error})
+    assert [o.status for o in dead.outcomes] == [SendBackStatus.DEAD]
+    [letter] = engine.dlq.list()
+    assert letter.last_error == "ValueError: order \\ud800 not found"
