@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.offset_store import (
@@ -61,7 +62,8 @@ def reset_offsets(
     script = offsets_script(store_client, "reset_offsets.lua")
     pairs = [part for mq, offset in offsets.items() for part in (str(mq), offset)]
     keys = [offsets_key(group), reset_marks_key(group), reset_epoch_key(group)]
-    epoch = int(script(keys=keys, args=pairs, client=store_client))
+    now_ms = time.time_ns() // 1_000_000
+    epoch = int(script(keys=keys, args=[now_ms, *pairs], client=store_client))
     notice = json.dumps({"epoch": epoch, "offsets": {str(mq): o for mq, o in offsets.items()}})
     Membership(client, group, "admin", expire_ms=1).publish(RESET_NOTICE + notice)
     return offsets

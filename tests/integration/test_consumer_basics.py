@@ -34,7 +34,9 @@ from idem.retry.consumer import (
     consumer_offsets,
     new_message,
     pull,
+    reset_offsets,
 )
+from idem.retry.consumer.offset_store import reset_epoch_key, reset_marks_key
 from idem.retry.dlq import DeadLetterTable
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
@@ -379,3 +381,23 @@ def test_garbage_failure_properties_do_not_stop_a_send_back_or_a_dead_letter(
     dead = engine.dead_letter(bad, reason="bad input")
     assert len(dead.dead) == 4
     assert len(engine.dlq.list()) == 4
+
+
+def test_a_reset_after_redis_lost_its_reset_bookkeeping_still_takes_effect(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    """Redis loses the reset counter and marks (FLUSHALL recovery, an older AOF, a lagging
+    replica) while an instance remembers the epoch of an earlier reset: the next reset must
+    still be newer than that, or the instance ignores it and writes its old offset back."""
+    topics = TopicStore(real_redis)
+    mq = MessageQueue("orders", 0)
+    topics.put(mq, [new_message("orders", b"{}", keys=f"K{i}") for i in range(5)])
+    got = Recorder()
+    start(config, got, consumers)
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 5)
+    reset_offsets(real_redis, config.group, {mq: 3})
+    eventually(lambda: len(got.keys()) == 7)
+    real_redis.delete(reset_epoch_key(config.group), reset_marks_key(config.group))
+    reset_offsets(real_redis, config.group, {mq: 0})  # replay everything
+    eventually(lambda: len(got.keys()) == 12)
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 5)
