@@ -125,6 +125,7 @@ class PushConsumer:
         self._retry_topic = retry_topic(self.group)
         self._retry_acks: list[MessageExt] = []
         self._acks_lock = threading.Lock()
+        self._reset_lock = threading.Lock()
         self._started = False
         self._consume_timestamp_ms = 0
         self.rebalance: RebalanceImpl | None = None
@@ -369,25 +370,27 @@ class PushConsumer:
 
         ``persist``: also write the offsets to the store (the admin tool already did).
         ``epoch``: the operator reset these offsets come from; a queue is reset once per
-        epoch, whether its notice or the next persist brought it.
+        epoch, whether its notice or the next persist brought it (one reset at a time: the
+        notice thread and the persist timer may both bring the same one).
         """
         assert self.rebalance is not None
         store = self.offset_store
-        if epoch is not None:
-            offsets = {mq: o for mq, o in offsets.items() if store.reset_epoch(mq) < epoch}
-        # Dropped first: a consume result of the old queue can no longer move the offset.
-        for mq, pq in self.rebalance.drop(list(offsets)):
-            pq.clear()
-            if self.orderly_service is not None:
-                self.orderly_service.unlock_queue(mq, pq)
-            log.warning("%s: offset of %s reset to %d", self.client_id, mq, offsets[mq])
-        for mq, offset in offsets.items():
-            if epoch is None:
-                store.update_offset(mq, offset, False)
-            else:
-                store.apply_reset(mq, epoch, offset)
-            if persist:
-                store.persist(mq)
+        with self._reset_lock:
+            if epoch is not None:
+                offsets = {mq: o for mq, o in offsets.items() if store.reset_epoch(mq) < epoch}
+            # Dropped first: a consume result of the old queue can no longer move the offset.
+            for mq, pq in self.rebalance.drop(list(offsets)):
+                pq.clear()
+                if self.orderly_service is not None:
+                    self.orderly_service.unlock_queue(mq, pq)
+                log.warning("%s: offset of %s reset to %d", self.client_id, mq, offsets[mq])
+            for mq, offset in offsets.items():
+                if epoch is None:
+                    store.update_offset(mq, offset, False)
+                else:
+                    store.apply_reset(mq, epoch, offset)
+                if persist:
+                    store.persist(mq)
         if self.rebalance_service is not None:
             self.rebalance_service.wakeup()
 
