@@ -240,16 +240,20 @@ class DeadLetterTable:
         """The table's name, ``%DLQ%<group>``."""
         return dlq_topic(self.group)
 
+    def _open(self) -> DeltaTable:
+        """The existing table at ``path``, refused if it is another group's."""
+        table = DeltaTable(self.path, storage_options=self.storage_options)
+        name = table.metadata().name
+        if name and name != self.name:
+            raise ConfigError(
+                f"dlq_path: the table at {self.path} is {name!r}, not {self.name!r}; "
+                "give each group its own dead-letter table"
+            )
+        return table
+
     def _table(self, *, create: bool) -> DeltaTable | None:
         if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
-            table = DeltaTable(self.path, storage_options=self.storage_options)
-            name = table.metadata().name
-            if name and name != self.name:
-                raise ConfigError(
-                    f"dlq_path: the table at {self.path} is {name!r}, not {self.name!r}; "
-                    "give each group its own dead-letter table"
-                )
-            return table
+            return self._open()
         if not create:
             return None
         try:
@@ -263,7 +267,7 @@ class DeadLetterTable:
             )
         except Exception:  # another writer created it first: use theirs
             if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
-                return DeltaTable(self.path, storage_options=self.storage_options)
+                return self._open()
             raise
 
     def write(

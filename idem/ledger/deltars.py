@@ -155,8 +155,17 @@ class DeltaLedger:
         """The current table version, ``-1`` when there is no table.
 
         One existence check of the next commit file per call in the steady
-        state (plus one per commit made since the last call).
+        state (plus one per commit made since the last call). The first call that
+        finds a table also checks whose it is (:class:`LedgerIdentity`), before any
+        of its keys can count as completed.
         """
+        version = self._log_version()
+        if version >= 0 and self._identity is not None and self._table is None:
+            with self._table_lock:
+                self._latest()
+        return version
+
+    def _log_version(self) -> int:
         with self._version_lock:
             try:
                 version = self._known_version

@@ -661,3 +661,18 @@ def test_a_ledger_refuses_another_group_and_another_bucket_count(
         _process(fewer, ["K3"], owner="a:2", batch_id=2)
     assert a.ledger.audit() == []
     assert len(a.ledger.existing(["K1", "K2", "K3"], since_ms=None)) == 1
+
+
+def test_a_ledger_opened_before_another_group_created_it_is_refused_before_any_verdict(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    # refunds points at orders' ledger path before that ledger exists; once orders writes
+    # it, refunds' next claim must refuse it, not count orders' keys as its duplicates.
+    shared = str(tmp_path / "one-ledger")
+    refunds = Dedup(
+        _config(tmp_path, redis_server.url, ledger_path=shared).with_changes(group="refunds")
+    )
+    assert refunds.begin(["X"], owner="r:0", hold=False).fresh == (0,)
+    _process(Dedup(_config(tmp_path, redis_server.url, ledger_path=shared)), ["K1"], "o:1", 1)
+    with pytest.raises(ConfigError, match="belongs to group 'orders', not 'refunds'"):
+        refunds.begin(["K1"], owner="r:1")
