@@ -198,6 +198,16 @@ class RetryEngine:
                 f"{what} failed: Redis answered {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _check_journal_followed(self) -> None:
+        """Refuse (:class:`~idem.retry.errors.JournalError`) before anything is journaled when
+        Redis follows another journal table: each re-submitted attempt would otherwise be
+        journaled again, to be scheduled all at once after the rebuild. A Redis that cannot
+        answer is no reason to stop: the send-back journals and falls back as usual."""
+        try:
+            self._redis(lambda: self.journal.follow(self.store), what="journal check", attempts=1)
+        except StoreUnavailable:
+            return
+
     def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
         if self.on_stage is not None and messages:
             self.on_stage(stage, messages)
@@ -300,6 +310,7 @@ class RetryEngine:
         scheduled = [d for d in decisions if isinstance(d, Scheduled)]
         events = [self._event(d, now) for d in decisions]
         try:
+            self._check_journal_followed()
             if dead:
                 self.dlq.write([d.letter for d in dead], app_id=app_id, txn_version=txn_version)
                 self._stage("dead_lettered", [d.original for d in dead])

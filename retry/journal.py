@@ -312,7 +312,7 @@ class RetryJournal:
         stands right before it, its events are applied without reading them back.
         """
         total = ApplyResult()
-        self._follow(store)
+        self.follow(store)
         while True:
             raw = store.cursor()
             named = parse_base_cursor(raw)
@@ -435,7 +435,7 @@ class RetryJournal:
         assert version is not None  # a base commit is written even when nothing is live
         return JournalBase(version=version, covers=covers, live=tuple(rows))
 
-    def _follow(self, store: ScheduleStore) -> None:
+    def follow(self, store: ScheduleStore) -> None:
         """Refuse a Redis whose cursor belongs to another journal table (this journal was
         re-created, moved without its log, or restored from elsewhere): its positions mean
         nothing here, and events before it would be skipped for good."""

@@ -261,6 +261,10 @@ def test_a_recreated_journal_is_refused_until_redis_is_rebuilt_from_it(
     engine = RetryEngine(config, client=real_redis, clock=ManualClock())
     with pytest.raises(JournalError, match="idem retry rebuild --group moved"):
         engine.send_back(_messages(2, prefix="N"))
+    # From then on a send-back is refused before it journals: re-submitted attempts do not
+    # pile up in the journal, to be scheduled all at once after the rebuild.
+    refused = engine.send_back(_messages(2, prefix="R"))
+    assert [o.status for o in refused.outcomes] == [SendBackStatus.RESUBMIT_LATER] * 2
     engine.rebuild()  # what the error asks for: Redis now follows this journal
     again = engine.send_back(_messages(2, prefix="N"))
     assert [o.status for o in again.outcomes] == [SendBackStatus.SCHEDULED] * 2
