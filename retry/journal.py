@@ -440,7 +440,7 @@ class RetryJournal:
         re-created, moved without its log, or restored from elsewhere): its positions mean
         nothing here, and events before it would be skipped for good."""
         with self._lock:
-            table = self._load()
+            table = self._table if self._table is not None else self._load()  # ids never change
             journal_id = None if table is None else str(table.metadata().id)
         if journal_id is None:
             return
