@@ -285,7 +285,10 @@ class PushConsumer:
         got more queues, or one offset was lost) starts at its first message: what
         producers put there before the rebalance handed it out belongs to the group
         already (RocketMQ's broker answers 0 for a queue that still starts at 0). A
-        topic the group never consumed follows ``consume_from_where``.
+        topic the group never consumed follows ``consume_from_where``, and that start
+        is persisted at once: a crash before the first timed persist must not move it
+        to a later "last offset" and skip what arrived meanwhile (RocketMQ's client
+        would).
         """
         if self.is_retry_queue(mq):
             return 0
@@ -304,6 +307,10 @@ class PushConsumer:
         else:
             offset = self.topics.max_offset(mq)
         self.offset_store.update_offset(mq, offset, False)
+        try:
+            self.offset_store.persist(mq)
+        except Exception:
+            log.warning("%s: could not persist the start of %s", self.client_id, mq, exc_info=True)
         return offset
 
     def lock_queue(self, mq: MessageQueue, pq: ProcessQueue) -> bool:

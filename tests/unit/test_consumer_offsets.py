@@ -178,3 +178,19 @@ def test_an_offset_commit_in_flight_when_a_reset_drops_the_queue_never_lands_aft
     consumer.reset_offsets({mq: 0})
     committer.join(5)
     assert store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY) == 0
+
+
+def test_a_new_groups_start_at_the_last_offset_survives_a_crash_before_the_first_persist(
+    tmp_path: Path,
+) -> None:
+    """CONSUME_FROM_LAST_OFFSET starts a new group at the end of the queue. The instance
+    dies before its first timed persist; three messages arrive; the restarted instance
+    must start where the first one did, not at the new end (which skips the three)."""
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 1)
+    mq = MessageQueue("orders", 0)
+    topics.put(mq, _messages(mq, range(5)))
+    assert _consumer(tmp_path, client).compute_pull_from_where(mq) == 5
+    topics.put(mq, _messages(mq, range(5, 8)))
+    assert _consumer(tmp_path, client).compute_pull_from_where(mq) == 5
