@@ -198,15 +198,18 @@ class RetryEngine:
                 f"{what} failed: Redis answered {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _check_journal_followed(self) -> None:
+    def _check_journal_followed(self) -> bool:
         """Refuse (:class:`~idem.retry.errors.JournalError`) before anything is journaled when
         Redis follows another journal table: each re-submitted attempt would otherwise be
         journaled again, to be scheduled all at once after the rebuild. A Redis that cannot
-        answer is no reason to stop: the send-back journals and falls back as usual."""
+        answer is no reason to stop: the send-back journals and falls back as usual.
+        Returns whether Redis was found bound to this journal (its sync need not ask again)."""
         try:
-            self._redis(lambda: self.journal.follow(self.store), what="journal check", attempts=1)
+            return self._redis(
+                lambda: self.journal.follow(self.store), what="journal check", attempts=1
+            )
         except StoreUnavailable:
-            return
+            return False
 
     def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
         if self.on_stage is not None and messages:
@@ -310,7 +313,7 @@ class RetryEngine:
         scheduled = [d for d in decisions if isinstance(d, Scheduled)]
         events = [self._event(d, now) for d in decisions]
         try:
-            self._check_journal_followed()
+            followed = self._check_journal_followed()
             if dead:
                 self.dlq.write([d.letter for d in dead], app_id=app_id, txn_version=txn_version)
                 self._stage("dead_lettered", [d.original for d in dead])
@@ -327,7 +330,7 @@ class RetryEngine:
 
         try:
             own = None if written.version is None else (written.version, written.events)
-            self._sync_or_raise(own)
+            self._sync_or_raise(own, followed=followed)
             status = SendBackStatus.SCHEDULED
             self._stage("applied", [d.original for d in scheduled])
         except StoreUnavailable:
@@ -417,9 +420,11 @@ class RetryEngine:
 
     # -- journal <-> Redis ---------------------------------------------------------------
 
-    def _sync_or_raise(self, own: tuple[int, Sequence[JournalEvent]] | None = None) -> ApplyResult:
+    def _sync_or_raise(
+        self, own: tuple[int, Sequence[JournalEvent]] | None = None, *, followed: bool = False
+    ) -> ApplyResult:
         result = self._redis(
-            lambda: self.journal.sync(self.store, own=own),
+            lambda: self.journal.sync(self.store, own=own, followed=followed),
             what="apply the retry journal to Redis",
         )
         self._last_sync_ms = self.clock.now_ms()

@@ -303,6 +303,7 @@ class RetryJournal:
         store: ScheduleStore,
         *,
         own: tuple[int, Sequence[JournalEvent]] | None = None,
+        followed: bool = False,
     ) -> ApplyResult:
         """Apply to ``store`` every event its cursor has not seen, in journal order.
 
@@ -310,9 +311,17 @@ class RetryJournal:
         cursor first; the others see the cursor moved and read on from there. ``own``
         is ``(version, events)`` of the commit the caller just made: when the cursor
         stands right before it, its events are applied without reading them back.
+        ``followed``: the caller has just checked that Redis follows this journal
+        (:meth:`follow`), so that round trip is not made again.
         """
+        if not followed:
+            self.follow(store)
+        return self._sync(store, own)
+
+    def _sync(
+        self, store: ScheduleStore, own: tuple[int, Sequence[JournalEvent]] | None
+    ) -> ApplyResult:
         total = ApplyResult()
-        self.follow(store)
         while True:
             raw = store.cursor()
             named = parse_base_cursor(raw)
@@ -435,15 +444,16 @@ class RetryJournal:
         assert version is not None  # a base commit is written even when nothing is live
         return JournalBase(version=version, covers=covers, live=tuple(rows))
 
-    def follow(self, store: ScheduleStore) -> None:
+    def follow(self, store: ScheduleStore) -> bool:
         """Refuse a Redis whose cursor belongs to another journal table (this journal was
         re-created, moved without its log, or restored from elsewhere): its positions mean
-        nothing here, and events before it would be skipped for good."""
+        nothing here, and events before it would be skipped for good. Returns whether
+        Redis is bound to this table now (``False``: there is no journal yet)."""
         with self._lock:
             table = self._table if self._table is not None else self._load()  # ids never change
             journal_id = None if table is None else str(table.metadata().id)
         if journal_id is None:
-            return
+            return False
         followed = store.follow(journal_id)
         if followed is not None:
             raise JournalError(
@@ -451,6 +461,7 @@ class RetryJournal:
                 f"({followed}, this one is {journal_id}); its cursor does not apply here. "
                 f"Rebuild Redis from this journal: idem retry rebuild --group {self.group}"
             )
+        return True
 
     def rebuild(self, store: ScheduleStore) -> ApplyResult:
         """Rebuild the group's Redis side from the journal alone (cleared first: applying a

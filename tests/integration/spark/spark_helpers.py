@@ -13,6 +13,7 @@ from deltalake import DeltaTable
 from idem.config import IdemConfig
 from idem.ledger import read_table
 from idem.retry.dlq import DeadLetter, DeadLetterTable
+from idem.spark.run import RunSpec
 
 
 def order(n: int | str, **extra: Any) -> dict[str, Any]:
@@ -59,3 +60,16 @@ def config_for(tmp_path: Path, url: str, group: str, **extra: Any) -> IdemConfig
         **extra,
     }
     return IdemConfig(group=group, redis_url=url, data_dir=str(tmp_path / "idem-data"), **settings)
+
+
+def delta_run(tmp_path: Path, source: str | Path | None = None, **extra: Any) -> RunSpec:
+    """``idem run --available-now`` of ``source`` (default ``tmp_path/in``) keyed on
+    ``order_id`` into the Delta sink ``tmp_path/sink``, checkpoint ``tmp_path/checkpoint``."""
+    return RunSpec(
+        source=str(source if source is not None else tmp_path / "in"),
+        key="order_id",
+        sink_delta=str(tmp_path / "sink"),
+        checkpoint=str(tmp_path / "checkpoint"),
+        available_now=True,
+        **extra,
+    )

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, order, sink_key_counts, write_files
+from spark_helpers import config_for, delta_run, order, sink_key_counts, write_files
 
 from idem.redis_server import RedisServer
-from idem.spark.run import Pipeline, RunSpec
+from idem.spark.run import Pipeline
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -68,13 +68,7 @@ def test_available_now_takes_the_files_there_at_the_start_and_leaves_later_ones_
             producer.thread.start()
 
     config = config_for(tmp_path, redis_server.url, "available-now")
-    spec = RunSpec(
-        source=str(source),
-        key="order_id",
-        sink_delta=str(tmp_path / "sink"),
-        checkpoint=str(tmp_path / "checkpoint"),
-        available_now=True,
-    )
+    spec = delta_run(tmp_path, source)
     pipeline = Pipeline(spark, config, spec, sink_fn=start_producing, client=redis_server.client())
     try:
         first = pipeline.run()

@@ -11,13 +11,13 @@ import pytest
 import redis
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, dead_letters, order, sink_key_counts, write_files
+from spark_helpers import config_for, dead_letters, delta_run, order, sink_key_counts, write_files
 
 from idem.cli import main
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
-from idem.spark.run import Pipeline, RunReport, RunSpec
+from idem.spark.run import Pipeline, RunReport
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -66,13 +66,7 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
     write_files(tmp_path / "in", [[order(1), order(2), order(3)]])
     config = config_for(tmp_path, redis_server.url, "replay", max_reconsume_times=1)
     sink = PricingSink()
-    spec = RunSpec(
-        source=str(tmp_path / "in"),
-        key="order_id",
-        sink_delta=str(tmp_path / "sink"),
-        checkpoint=str(tmp_path / "checkpoint"),
-        available_now=True,
-    )
+    spec = delta_run(tmp_path)
 
     def run() -> RunReport:
         return Pipeline(spark, config, spec, sink_fn=sink, client=real_redis).run()

@@ -15,14 +15,14 @@ import pytest
 import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as st
-from spark_helpers import config_for, dead_letters, sink_key_counts, sink_rows
+from spark_helpers import config_for, dead_letters, delta_run, sink_key_counts, sink_rows
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, exactly_once
 from idem.spark.retry_source import retry_stream
-from idem.spark.run import Pipeline, RunSpec
+from idem.spark.run import Pipeline
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -152,14 +152,7 @@ def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_l
         encoding="utf-8",
     )
     config = config_for(tmp_path, redis_server.url, "corrupt-lines")
-    spec = RunSpec(
-        source=str(source),
-        key="order_id",
-        sink_delta=str(tmp_path / "sink"),
-        checkpoint=str(tmp_path / "checkpoint"),
-        available_now=True,
-        schema="order_id string, amount double",
-    )
+    spec = delta_run(tmp_path, source, schema="order_id string, amount double")
     pipeline = Pipeline(spark, config, spec, client=redis_server.client())
     try:
         report = pipeline.run()

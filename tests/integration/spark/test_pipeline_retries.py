@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, dead_letters, order, sink_key_counts, write_files
+from spark_helpers import config_for, dead_letters, delta_run, order, sink_key_counts, write_files
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.dlq import DeadLetter
-from idem.spark.run import Pipeline, RunReport, RunSpec
+from idem.spark.run import Pipeline, RunReport
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -74,14 +74,7 @@ def outcome(
     )
     config = config_for(tmp, redis_server.url, "retries")
     sink = FlakySink()
-    spec = RunSpec(
-        source=str(tmp / "in"),
-        key="order_id",
-        sink_delta=str(tmp / "sink"),
-        checkpoint=str(tmp / "checkpoint"),
-        available_now=True,
-        max_files_per_trigger=1,
-    )
+    spec = delta_run(tmp, max_files_per_trigger=1)
     report = Pipeline(spark, config, spec, sink_fn=sink, client=client).run()
     return Outcome(config, sink, report, tmp / "sink", dead_letters(config))
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, order, sink_key_counts, write_files
+from spark_helpers import config_for, delta_run, order, sink_key_counts, write_files
 
 from idem.redis_server import RedisServer
 from idem.spark.faults import CrashPlan, CrashPoint
-from idem.spark.run import Pipeline, QueryFailed, RunSpec
+from idem.spark.run import Pipeline, QueryFailed
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -38,13 +38,7 @@ def test_a_crash_around_the_retry_ack_neither_loses_nor_doubles_the_batchs_count
 ) -> None:
     write_files(tmp_path / "in", [[order(n) for n in range(1, 6)]])
     config = config_for(tmp_path, redis_server.url, f"counts-{point.value}".replace("_", "-"))
-    spec = RunSpec(
-        source=str(tmp_path / "in"),
-        key="order_id",
-        sink_delta=str(tmp_path / "sink"),
-        checkpoint=str(tmp_path / "checkpoint"),
-        available_now=True,
-    )
+    spec = delta_run(tmp_path)
     crash = CrashPlan(point, RETRY_BATCH)
     pipeline = Pipeline(
         spark,
