@@ -216,6 +216,7 @@ def _thread_cpu() -> list[str]:
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     used: collections.Counter[str] = collections.Counter()
+    system: collections.Counter[str] = collections.Counter()
     try:
         tasks = list(Path("/proc/self/task").iterdir())
     except OSError:
@@ -227,7 +228,11 @@ def _thread_cpu() -> list[str]:
             continue  # the thread ended meanwhile
         name = re.sub(r"[-_]?[0-9a-f]*\d[0-9a-f]*$", "", names.get(int(task.name), "(native)"))
         used[name] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-    return [f"thread cpu {seconds:6.2f}s {name}" for name, seconds in used.most_common(8)]
+        system[name] += int(fields[12]) / tick
+    return [
+        f"thread cpu {seconds:6.2f}s (system {system[name]:5.2f}s) {name}"
+        for name, seconds in used.most_common(8)
+    ]
 
 
 class _Sampler:

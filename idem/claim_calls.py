@@ -20,7 +20,7 @@ from redis.cluster import RedisCluster
 
 from idem.errors import StoreUnavailable
 from idem.hotstore_types import ClaimResult
-from idem.redis_stream import StreamedCalls, not_run
+from idem.redis_stream import ScriptCalls
 
 if TYPE_CHECKING:
     from idem.hotstore import RedisHotStore
@@ -58,25 +58,24 @@ class ClaimCalls:
         )
         self._owner = owner
         self._hold = hold
-        self._calls: list[tuple[str, list[str], list[str]]] = []  # tag, KEYS, ARGV
         self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
         client = store.client
-        self._stream = None if isinstance(client, RedisCluster) else StreamedCalls(client)
+        self._streamed = not isinstance(client, RedisCluster)
+        self._calls = ScriptCalls(
+            client, store.claim_script, store.run_claims, stream=self._streamed
+        )
 
     def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
         """Claim these keys too (each key at most once per claim)."""
-        store, now, script = self._store, self._now, self._store.claim_script
+        store, now = self._store, self._now
         for bucket, given in keys_by_bucket.items():
             keys = given if isinstance(given, list) else list(given)
             tag, routing = store.claim_route(bucket, now)
             head = [tag, *self._head_tail]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
-                args = head + chunk
-                self._calls.append((tag, routing, args))
+                self._calls.add(tag, routing, head + chunk)
                 self._plan.append((bucket, chunk))
-                if self._stream is not None:
-                    self._stream.call(script, routing, args)
 
     def result(self) -> ClaimResult:
         """Every added key's verdict (reads the replies; raises :class:`StoreUnavailable`)."""
@@ -122,9 +121,8 @@ class ClaimCalls:
     def abandon(self) -> None:
         """Give the claim up: read what was sent (never sending it again) and give back the
         leases this owner holds on the added keys. Best effort: a lease left behind expires."""
-        if self._stream is not None:
-            self._stream.replies()
-        if not (self._hold and self._stream is not None and self._plan):
+        self._calls.abandon()
+        if not (self._hold and self._streamed and self._plan):
             return  # a Cluster claim sends nothing before result(); a lookup holds nothing
         grouped: dict[int, list[str]] = {}
         for bucket, chunk in self._plan:
@@ -136,24 +134,4 @@ class ClaimCalls:
 
     def _replies(self) -> list[Any]:
         """The replies in call order; what could not stream goes through a routed pipeline."""
-        if not self._calls:
-            return []
-        replies = self._stream.replies() if self._stream is not None else None
-        if replies is None:  # a Cluster, or a connection error: it is unknown what ran
-            replies = self._pipelined(range(len(self._calls)))
-        else:
-            again = [i for i, reply in enumerate(replies) if not_run(reply)]
-            for i, reply in zip(again, self._pipelined(again), strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, redis.RedisError):
-                raise StoreUnavailable(
-                    f"Redis claim for group {self._store.group!r} failed: {reply} "
-                    "(the outcome is unknown; read the state again before acting on it)"
-                ) from reply
-        return replies
-
-    def _pipelined(self, indices: Sequence[int]) -> list[Any]:
-        if not indices:
-            return []
-        return self._store.run_claims(self._calls[i] for i in indices)
+        return self._store.checked(self._calls.replies(), "claim")

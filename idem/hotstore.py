@@ -48,6 +48,7 @@ from itertools import chain
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
@@ -65,6 +66,7 @@ from idem.hotstore_types import (
 from idem.keys import bucket_of
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient, RoutedPipelines
+from idem.redis_stream import ScriptCall, ScriptCalls
 
 __all__ = [
     "ClaimResult",
@@ -240,12 +242,35 @@ class RedisHotStore:
         """claim.lua, registered on this store's client."""
         return self._claim
 
-    def run_claims(self, calls: Iterable[tuple[str, list[str], list[str]]]) -> list[Any]:
+    def run_claims(self, calls: Iterable[ScriptCall]) -> list[Any]:
         """``(tag, KEYS, ARGV)`` claim calls in one routed round trip; their replies."""
+        return self._run_calls(self._claim, calls, "claim")
+
+    def _run_calls(self, script: Script, calls: Iterable[ScriptCall], operation: str) -> list[Any]:
         pipes = self._pipes()
         for tag, routing, args in calls:
-            self._claim(keys=routing, args=args, client=pipes.pipe(tag))
-        return self._run(pipes, "claim")
+            script(keys=routing, args=args, client=pipes.pipe(tag))
+        return self._run(pipes, operation)
+
+    def _script_calls(self, script: Script, operation: str) -> ScriptCalls:
+        """Calls of ``script`` streamed to a single server as they are made (a Cluster's
+        go in one routed round trip when their replies are read)."""
+        return ScriptCalls(
+            self.client,
+            script,
+            lambda calls: self._run_calls(script, calls, operation),
+            stream=not isinstance(self.client, RedisCluster),
+        )
+
+    def checked(self, replies: list[Any], operation: str) -> list[Any]:
+        """``replies`` of streamed calls; raises :class:`StoreUnavailable` on an error reply."""
+        for reply in replies:
+            if isinstance(reply, redis.RedisError):
+                raise StoreUnavailable(
+                    f"Redis {operation} for group {self.group!r} failed: {reply} "
+                    "(the outcome is unknown; read the state again before acting on it)"
+                ) from reply
+        return replies
 
     def _pipes(self) -> RoutedPipelines:
         """One round trip per server (per primary on a Cluster) for commands of many buckets."""
@@ -319,7 +344,7 @@ class RedisHotStore:
             owner, str(now), self._claim_gens, str(at), _version("version", version), self._window
         ]  # fmt: skip
         token = uuid.uuid4().hex
-        pipes = self._pipes()
+        calls = self._script_calls(self._complete, "complete")
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
         for bucket in range(self.buckets):
             keys = keys_by_bucket.get(bucket, ())
@@ -338,9 +363,9 @@ class RedisHotStore:
                 ]
             head = [tag, *head_tail]
             for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
-                self._complete(keys=routing, args=args, client=pipes.pipe(tag))
+                calls.add(tag, routing, args)
                 plan.append((bucket, keys, offset, decides))
-        replies = self._run(pipes, "complete")
+        replies = self.checked(calls.replies(), "complete")
 
         completed = 0
         fenced: list[str] = []

@@ -16,12 +16,43 @@ is safe to run twice, as with redis-py's own pipeline retry).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+
+hiredis: Any
+try:
+    import hiredis
+except ImportError:  # pragma: no cover - hiredis is an optional extra
+    hiredis = None
+
+ScriptCall = tuple[str, list[str], list[Any]]
+"""One script call: the hash tag it routes by, its KEYS and its ARGV."""
+
+
+def pack_script_call(connection: Any, sha: str, keys: Sequence[str], args: Sequence[object]) -> Any:
+    """EVALSHA ``sha`` with ``keys`` and ``args`` in the Redis protocol, for ``connection``.
+
+    With hiredis and the default UTF-8 encoding this calls hiredis's packer directly:
+    redis-py's own wrapper first walks every argument in Python (to turn bytearrays
+    into bytes), which costs as much as the packing itself for a call of thousands
+    of keys. The bytes are the same.
+    """
+    encoder = connection.encoder
+    if (
+        hiredis is not None
+        and encoder.encoding.lower().replace("-", "").replace("_", "") == "utf8"
+        and encoder.encoding_errors == "strict"
+    ):
+        try:
+            command: Any = ("EVALSHA", sha, len(keys), *keys, *args)
+            return [hiredis.pack_command(command)]
+        except TypeError:
+            pass  # e.g. a bytearray argument: redis-py converts it (or names the bad type)
+    return connection.pack_command("EVALSHA", sha, len(keys), *keys, *args)
 
 
 class StreamedCalls:
@@ -43,7 +74,7 @@ class StreamedCalls:
         try:
             if self._connection is None:
                 self._connection = self._pool.get_connection()
-            packed = self._connection.pack_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            packed = pack_script_call(self._connection, script.sha, keys, args)
             # A health check reads a reply: only before the first call, never with calls
             # in flight whose replies it would swallow.
             self._connection.send_packed_command(packed, check_health=self._sent == 0)
@@ -79,3 +110,51 @@ class StreamedCalls:
 def not_run(reply: Any) -> bool:
     """Whether a streamed call did not run because the server lacked its script."""
     return isinstance(reply, NoScriptError)
+
+
+class ScriptCalls:
+    """Calls of one script, streamed to a single server as they are added
+    (:class:`StreamedCalls`); on a Cluster, and for whatever could not stream, sent
+    through ``pipelined`` (one routed round trip) when the replies are read."""
+
+    def __init__(
+        self,
+        client: Any,
+        script: Script,
+        pipelined: Callable[[list[ScriptCall]], list[Any]],
+        *,
+        stream: bool,
+    ) -> None:
+        self._script = script
+        self._pipelined = pipelined
+        self._calls: list[ScriptCall] = []
+        self._stream = StreamedCalls(client) if stream else None
+
+    def add(self, tag: str, keys: list[str], args: list[Any]) -> None:
+        """One call (routed by ``tag``): sent now on a single server."""
+        self._calls.append((tag, keys, args))
+        if self._stream is not None:
+            self._stream.call(self._script, keys, args)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def abandon(self) -> None:
+        """Read and drop the replies of what was sent (nothing is sent again)."""
+        if self._stream is not None:
+            self._stream.replies()
+
+    def replies(self) -> list[Any]:
+        """The replies in call order; a failed call's error (a :class:`redis.RedisError`)
+        in its place. Raises what ``pipelined`` raises."""
+        if not self._calls:
+            return []
+        replies = self._stream.replies() if self._stream is not None else None
+        if replies is None:  # a Cluster, or a connection error: it is unknown what ran
+            return self._pipelined(self._calls)
+        again = [i for i, reply in enumerate(replies) if not_run(reply)]
+        if again:
+            rerun = self._pipelined([self._calls[i] for i in again])
+            for i, reply in zip(again, rerun, strict=True):
+                replies[i] = reply
+        return replies

@@ -480,6 +480,21 @@ def test_a_claim_whose_scripts_redis_forgot_or_whose_connection_died_still_gets_
     assert dd.complete(claim, batch_id=2, app_id="q").committed == 1_000
 
 
+def test_a_complete_whose_scripts_redis_forgot_marks_every_key_and_moves_the_watermarks(
+    tmp_path: Path, real_redis: Any, redis_server: RedisServer
+) -> None:
+    dd = Dedup(_config(tmp_path, redis_server.url))
+    keys = [f"ORDERID_{i}" for i in range(20_000)]  # > 1 complete call per bucket: parts + end
+    claim = dd.begin(keys, owner="q:1")
+    real_redis.script_flush()  # Redis restarted between the claim and the complete
+    outcome = dd.complete(claim, batch_id=1, app_id="q")
+    assert outcome.committed == len(keys)
+    assert set(dd.hot.watermarks().values()) == {outcome.version}
+    again = dd.begin(keys, owner="q:2")
+    assert not again.fresh
+    assert len(again.duplicates) == len(keys)
+
+
 # -- (i) a sink that is the ledger takes no leases ------------------------------------------
 
 
