@@ -264,7 +264,7 @@ class BatchRun:
             app_id = f"idem-spark:{self.dedup.config.group}:{self.query_id}"
             result = self.dedup.complete(
                 claim,
-                succeeded=succeeded,
+                succeeded=succeeded if failed else None,  # None: every fresh row
                 batch_id=self.batch_id,
                 app_id=app_id,
                 meta=self._meta(),
@@ -278,7 +278,9 @@ class BatchRun:
             self.commit_result = result
             self._slipped = result.slipped
             slipped = set(result.slipped)
-            self._applied = [i for i in succeeded if claim.keys[i] not in slipped]
+            self._applied = (
+                [i for i in succeeded if claim.keys[i] not in slipped] if slipped else succeeded
+            )
         if failed:
             self.dedup.release(claim, list(failed))
 

@@ -334,7 +334,9 @@ class ExactlyOnce:
         taken = self._sink_columns(run.payload_columns)
         if not taken:
             return None
-        succeeded = [i for i in run.fresh if i not in failed]
+        succeeded = [i for i in run.fresh if i not in failed] if failed else run.fresh
+        if len(succeeded) == run.size:  # every row, in order
+            return run.table.select(taken)
         return run.table.select(taken).take(pa.array(succeeded, pa.int64()))
 
 
