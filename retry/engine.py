@@ -512,7 +512,9 @@ class RetryEngine:
         return self._redis(self.store.next_due_ms, what="read the schedule heads")
 
     def pending(self) -> int:
-        """Messages scheduled or in the retry topic and not yet acknowledged."""
+        """Messages scheduled or in the retry topic and not yet acknowledged (a Redis that
+        lost the retry side is rebuilt from the journal first: it would answer 0)."""
+        self._maybe_sync()
         return self._redis(self.store.pending, what="count pending retries")
 
     # -- scheduling ----------------------------------------------------------------------
