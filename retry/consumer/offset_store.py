@@ -97,6 +97,12 @@ class OffsetStore(Protocol):
         consumes it)."""
         ...
 
+    def record_starts(self, starts: Mapping[MessageQueue, int]) -> dict[MessageQueue, int]:
+        """A topic new to the group: store where each of its queues starts, in one step,
+        keeping any offset already stored (another instance started the topic first);
+        returns the offsets the store holds now."""
+        ...
+
 
 class _MemoryTable:
     def __init__(self) -> None:
@@ -223,6 +229,16 @@ class RemoteOffsetStore(_MemoryTable):
         fields = self.client.hkeys(self.key)
         return any(_topic_of(field) == topic for field in fields)
 
+    def record_starts(self, starts: Mapping[MessageQueue, int]) -> dict[MessageQueue, int]:
+        """Every queue's start at once (``HSETNX``: the first instance's starts win)."""
+        names = [str(mq) for mq in starts]
+        pipe = self.client.pipeline(transaction=True)
+        for name, offset in zip(names, starts.values(), strict=True):
+            pipe.hsetnx(self.key, name, offset)
+        pipe.hmget(self.key, names)
+        stored = pipe.execute()[-1]
+        return {mq: int(raw) for mq, raw in zip(starts, stored, strict=True)}
+
     def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
         """Write every given queue's offset in one script call (RocketMQ's timer, every
         5 s), except those an operator reset since this instance last applied a reset
@@ -309,6 +325,14 @@ class LocalFileOffsetStore(_MemoryTable):
         """Whether the file (or its backup) holds an offset of any queue of ``topic``."""
         table = self._read(self.path) or self._read(self.backup) or {}
         return any(mq.topic == topic for mq in table)
+
+    def record_starts(self, starts: Mapping[MessageQueue, int]) -> dict[MessageQueue, int]:
+        """Every queue's start not in the file yet, written at once."""
+        table = self._read(self.path) or self._read(self.backup) or {}
+        for mq, offset in starts.items():
+            self.update_offset(mq, table.get(mq, offset), False)
+        self.persist_all(starts)
+        return {mq: table.get(mq, offset) for mq, offset in starts.items()}
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
         """Rewrite the file with every known offset (the given queues' and the others');

@@ -43,6 +43,9 @@ class ProcessQueue:
         self.mq = mq
         self.next_offset = next_offset
         """Where the next pull of this queue starts (``PullRequest.nextOffset``)."""
+        self.last_pulled: tuple[int, str] | None = None
+        """Offset and msg id of the newest message pulled: a queue that no longer holds
+        that message there was rebuilt under this consumer (Redis lost data)."""
         self._lock = threading.RLock()
         self._offsets: list[int] = []
         self._messages: dict[int, MessageExt] = {}

@@ -226,7 +226,9 @@ class PullService:
     def _deliver(self, pq: ProcessQueue, messages: Sequence[MessageExt]) -> None:
         if pq.dropped or self.rebalance.get(pq.mq) is not pq:
             return  # the queue moved while the pull was in flight
-        pq.next_offset = max(pq.next_offset, messages[-1].queue_offset + 1)
+        if messages[-1].queue_offset + 1 > pq.next_offset:
+            pq.next_offset = messages[-1].queue_offset + 1
+            pq.last_pulled = (messages[-1].queue_offset, messages[-1].msg_id)
         subscription = self.filters.get(pq.mq.topic)
         # An entry that is not a message has no tags to filter on: it goes on to be
         # dead-lettered (never filtered out unseen).

@@ -285,10 +285,12 @@ class PushConsumer:
         got more queues, or one offset was lost) starts at its first message: what
         producers put there before the rebalance handed it out belongs to the group
         already (RocketMQ's broker answers 0 for a queue that still starts at 0). A
-        topic the group never consumed follows ``consume_from_where``, and that start
-        is persisted at once: a crash before the first timed persist must not move it
-        to a later "last offset" and skip what arrived meanwhile (RocketMQ's client
-        would).
+        topic the group never consumed follows ``consume_from_where`` on every one of
+        its queues, decided once: the first queue assigned records the start of all of
+        them in the store at once, so the group's other queues (here or on another
+        instance) start there too, and a crash before the first timed persist cannot
+        move a start to a later "last offset" and skip what arrived meanwhile
+        (RocketMQ's client would).
         """
         if self.is_retry_queue(mq):
             return 0
@@ -299,19 +301,24 @@ class PushConsumer:
             offset = self.topics.min_offset(mq)
             self.offset_store.update_offset(mq, offset, False)
             return offset
+        queues = {q for q in self.queues_of(mq.topic) if not self.is_retry_queue(q)} | {mq}
+        starts = {q: self._start_of(q) for q in sorted(queues)}
+        try:
+            offset = self.offset_store.record_starts(starts)[mq]
+        except Exception:
+            log.warning("%s: could not record the start of %s", self.client_id, mq, exc_info=True)
+            offset = starts[mq]
+        self.offset_store.update_offset(mq, offset, False)
+        return offset
+
+    def _start_of(self, mq: MessageQueue) -> int:
+        """Where ``consume_from_where`` starts ``mq`` of a topic new to the group."""
         where = self.settings.consume_from_where
         if where is ConsumeFromWhere.CONSUME_FROM_FIRST_OFFSET:
-            offset = 0
-        elif where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
-            offset = self.topics.search_offset(mq, self._consume_timestamp_ms)
-        else:
-            offset = self.topics.max_offset(mq)
-        self.offset_store.update_offset(mq, offset, False)
-        try:
-            self.offset_store.persist(mq)
-        except Exception:
-            log.warning("%s: could not persist the start of %s", self.client_id, mq, exc_info=True)
-        return offset
+            return 0
+        if where is ConsumeFromWhere.CONSUME_FROM_TIMESTAMP:
+            return self.topics.search_offset(mq, self._consume_timestamp_ms)
+        return self.topics.max_offset(mq)
 
     def lock_queue(self, mq: MessageQueue, pq: ProcessQueue) -> bool:
         """Orderly clustering: a queue is taken only with its lock."""
@@ -403,27 +410,37 @@ class PushConsumer:
 
     def correct_illegal_offsets(self) -> dict[MessageQueue, int]:
         """``OFFSET_ILLEGAL``: a queue pulled from outside the broker's bounds starts again
-        where the broker says (``DefaultMessageStore.getMessage``): below the minimum, at the
-        minimum; above the maximum, at the maximum — or at 0 when the queue starts at 0 again
-        (it was rebuilt: better deliver again than skip)."""
+        within them (``DefaultMessageStore.getMessage``): below the minimum, at the minimum.
+
+        Beyond the maximum, or where the queue no longer holds the message last pulled
+        from it, Redis lost data under this consumer (a restart from an older snapshot,
+        a failover to a lagging replica, a flush): the queue's offsets were handed out
+        again, to messages this consumer has not seen. It starts again at the queue's
+        first message: delivering again (the dedup hook absorbs it) rather than skipping
+        what producers sent since (RocketMQ's broker would answer the maximum).
+        """
         illegal: dict[MessageQueue, int] = {}
         for pq in self.process_queues():
             if self.is_retry_queue(pq.mq) or pq.dropped:
                 continue
             # Read before the bounds: a pull running meanwhile moves it only over messages
             # that exist, so it cannot pass a maximum read after it.
-            offset = pq.next_offset
+            offset, last = pq.next_offset, pq.last_pulled
             low, high = self.topics.min_offset(pq.mq), self.topics.max_offset(pq.mq)
-            if offset < low:
+            reason = f"pull offset {offset} is outside"
+            if offset < low or offset > high:
                 illegal[pq.mq] = low
-            elif offset > high:
-                illegal[pq.mq] = low if low == 0 else high
+            elif last is not None and last[0] >= low:
+                found = self.topics.msg_id_at(pq.mq, last[0])
+                if found is not None and found != last[1]:
+                    illegal[pq.mq] = low
+                    reason = f"holds {found} where {last[1]} was pulled (Redis lost data); within"
             if pq.mq in illegal:
                 log.warning(
-                    "%s: pull offset %d of %s is outside [%d, %d]; resetting to %d",
+                    "%s: %s: %s [%d, %d]; resetting to %d",
                     self.client_id,
-                    offset,
                     pq.mq,
+                    reason,
                     low,
                     high,
                     illegal[pq.mq],

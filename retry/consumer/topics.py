@@ -203,6 +203,14 @@ class TopicStore:
             return PullResult(PullStatus.NO_NEW_MSG, offset, low, high)
         return PullResult(PullStatus.FOUND, messages[-1].queue_offset + 1, low, high, messages)
 
+    def msg_id_at(self, mq: MessageQueue, offset: int) -> str | None:
+        """The msg id of the message at ``offset`` of ``mq`` (``None``: no entry there)."""
+        entry_id = f"0-{offset + 1}"
+        entries: list[Any] = cast(
+            Any, self.client.xrange(self.queue_key(mq), min=entry_id, max=entry_id)
+        )
+        return self._message(mq, *entries[0]).msg_id if entries else None
+
     def max_offset(self, mq: MessageQueue) -> int:
         """The offset the next message of ``mq`` will get (RocketMQ's max offset)."""
         last = self.client.xrevrange(self.queue_key(mq), count=1)

@@ -9,7 +9,9 @@ restarts against the promoted replica and receives the second phase again.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from harness import Group, keys, offset_client
@@ -76,3 +78,37 @@ def test_c5_failover_to_a_lagging_replica(
         what="the second phase redelivered and absorbed",
     )
     group.assert_exactly_once(wanted)
+
+
+def test_c5_a_redis_back_from_an_older_snapshot_hands_offsets_out_again(
+    dedup: bool, tmp_path: Path
+) -> None:
+    """One Redis holds the topic and the offsets, and comes back from a snapshot older
+    than its last writes (an AOF tail lost, a lagging replica promoted) while the
+    consumer runs. Its queues hand the lost offsets out again, to new messages: the
+    consumer must notice and start the queues over, never skip what was sent since."""
+    server = RedisServer()
+    server.start()
+    group = Group(server.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
+    try:
+        group.consumer("a")
+        first = group.produce(keys("C5-S", 12))
+        eventually(lambda: group.sink.has_all(first) and group.caught_up(), what="first phase")
+        group.client.save()  # the snapshot Redis will come back from
+        lost = group.produce(keys("C5-T", 8))
+        eventually(lambda: group.sink.has_all(lost) and group.caught_up(), what="second phase")
+        server.restart()
+        after = group.produce(keys("C5-U", 8))  # the lost offsets again, new messages
+        eventually(lambda: group.sink.has_all(after), what="the messages sent after consumed")
+        if not dedup:  # the snapshot's messages are delivered again
+            eventually(lambda: set(group.sink.duplicates()) == set(first), what="redelivered")
+            return
+        wanted = first + lost + after
+        eventually(
+            lambda: group.duplicates_by_cause()["completed"] == len(first),
+            what="the snapshot's messages redelivered and absorbed",
+        )
+        group.assert_exactly_once(wanted)
+    finally:
+        group.close()
+        server.stop()

@@ -194,3 +194,26 @@ def test_a_new_groups_start_at_the_last_offset_survives_a_crash_before_the_first
     assert _consumer(tmp_path, client).compute_pull_from_where(mq) == 5
     topics.put(mq, _messages(mq, range(5, 8)))
     assert _consumer(tmp_path, client).compute_pull_from_where(mq) == 5
+
+
+@pytest.mark.parametrize("model", [MessageModel.CLUSTERING, MessageModel.BROADCASTING])
+def test_a_new_group_starts_every_queue_of_a_topic_at_its_last_offset(
+    tmp_path: Path, model: MessageModel
+) -> None:
+    """CONSUME_FROM_LAST_OFFSET on a topic with history: no queue replays it. The first
+    queue assigned records every queue's start, so the queues started after it (here or
+    by another instance) do not take that record for a group already consuming the topic."""
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 4)
+    queues = topics.message_queues("orders")
+    for n, mq in enumerate(queues):
+        topics.put(mq, _messages(mq, range(3 + n)))
+    first = _consumer(tmp_path, client, message_model=model)
+    assert first.compute_pull_from_where(queues[0]) == 3
+    assert first.compute_pull_from_where(queues[1]) == 4
+    for mq in queues[2:]:  # messages arrive before the other queues are started
+        topics.put(mq, _messages(mq, range(3 + mq.queue_id, 10)))
+    second = first if model is MessageModel.BROADCASTING else _consumer(tmp_path, client)
+    assert second.compute_pull_from_where(queues[2]) == 5
+    assert second.compute_pull_from_where(queues[3]) == 6
