@@ -300,11 +300,17 @@ class RebalanceService:
                     pubsub.subscribe(self.membership.channel)
                     next_rebalance = 0
                 now = clock.now_ms()
-                if now >= next_beat or now >= next_rebalance or self._wake.is_set():
+                woken = self._wake.is_set()  # wakeup(): a reset dropped queues, take them back
+                if now >= next_beat or now >= next_rebalance or woken:
                     self._wake.clear()
                     members = self.membership.beat()
                     next_beat = now + self.heartbeat_interval_ms
-                    if members.changed or members.epoch != self.impl.epoch or now >= next_rebalance:
+                    if (
+                        woken
+                        or members.changed
+                        or members.epoch != self.impl.epoch
+                        or now >= next_rebalance
+                    ):
                         self.impl.do_rebalance(members)
                         self.rebalances += 1
                         next_rebalance = now + self.rebalance_interval_ms

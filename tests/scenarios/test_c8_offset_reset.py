@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from harness import TOPIC, Group, keys
+from harness import FAST, TOPIC, Group, keys
 from waiting import eventually
 
 from idem.retry.consumer import reset_offset_by_time
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.scenarios
 @pytest.mark.parametrize("notice", ["heard", "lost"])
 def test_c8_offset_reset_backwards(group: Group, notice: str) -> None:
     first = group.produce(keys(f"C8{notice}-A", 8))
-    consumer = group.consumer("c")
+    # No timed rebalance within the test: the reset queues must come back at once.
+    consumer = group.consumer("c", settings=FAST.with_changes(rebalance_interval_ms=120_000))
     eventually(group.caught_up, what="the first phase consumed")
     time.sleep(0.01)
     second_started_ms = int(time.time() * 1000)
@@ -43,11 +44,13 @@ def test_c8_offset_reset_backwards(group: Group, notice: str) -> None:
     if not group.dedup:
         eventually(
             lambda: set(group.sink.duplicates()) == set(second),
+            timeout=10,
             what="the second phase written again",
         )
         return
     eventually(
         lambda: group.settled(wanted) and group.duplicates_by_cause()["completed"] == len(second),
+        timeout=10,
         what="the second phase redelivered and absorbed",
     )
     group.assert_exactly_once(wanted)
