@@ -80,9 +80,10 @@ class ConcurrentlyService:
     def watch(self, mq: MessageQueue, pq: ProcessQueue) -> None:
         """Let the watchdog see ``pq`` (not a dropped one: a late re-submit of a queue's old
         process queue must not take the place of the new one)."""
-        if pq.dropped:
-            return
-        with self._queues_lock:
+        with self._queues_lock:  # checked under the lock: a drop may come between
+            current = self._queues.get(mq)
+            if pq.dropped or (current is not None and current is not pq and not current.dropped):
+                return
             self._queues[mq] = pq
 
     def watched(self) -> list[tuple[MessageQueue, ProcessQueue]]:

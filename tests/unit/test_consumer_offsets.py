@@ -141,6 +141,11 @@ def test_a_dropped_process_queue_never_replaces_the_watched_one() -> None:
         service.watch(mq, new)
         service.submit([], old, mq)
         assert service.watched() == [(mq, new)]
+        # The re-submit passed its check before the drop and registers after the new one:
+        # a watched live process queue is never replaced.
+        old.dropped = False
+        service.watch(mq, old)
+        assert service.watched() == [(mq, new)]
     finally:
         service.executor.shutdown()
 
