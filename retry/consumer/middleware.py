@@ -52,7 +52,7 @@ from typing import Any
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError
-from idem.keys import fingerprints, valid_keys
+from idem.keys import fingerprints, group_by_bucket, valid_keys
 from idem.outcome import BatchClaim
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.group_claim import GroupClaimer
@@ -215,6 +215,8 @@ class DedupMiddleware:
         )
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
+        self._closed = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def _raw_keys(self, messages: Sequence[MessageExt]) -> list[object]:
         if self._attribute is not None:  # reading an attribute cannot fail
@@ -251,6 +253,8 @@ class DedupMiddleware:
         self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
     ) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
+        if self._renewer is None:
+            self._start_renewer()
         size = len(messages)
         order = sorted(range(size), key=list(map(precedence, messages)).__getitem__)
         raw = self._raw_keys(messages)
@@ -292,6 +296,54 @@ class DedupMiddleware:
     def flush(self, timeout_ms: int | None = None) -> bool:
         """Commit what is queued now and wait for it (a consumer's shutdown calls this)."""
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
+
+    def close(self) -> None:
+        """Stop renewing leases (a consumer's shutdown calls this after :meth:`flush`)."""
+        self._closed.set()
+
+    def _start_renewer(self) -> None:
+        with self._lock:
+            if self._renewer is not None:
+                return
+            self._renewer = threading.Thread(
+                target=self._renew_loop, daemon=True, name=f"idem-lease-{self.owner[-8:]}"
+            )
+        self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        interval_s = self.dedup.config.lease_ms / 3000
+        while not self._closed.wait(interval_s):
+            try:
+                self.renew_leases()
+            except Exception:
+                log.warning("renewing the leases of in-flight keys failed", exc_info=True)
+
+    def renew_leases(self) -> int:
+        """Extend the leases of the keys this instance holds (their listener runs, or they
+        wait for their group commit); returns how many were renewed.
+
+        A lease runs out after ``lease_ms`` (5 min) while the consume timeout is 15 min:
+        without renewal, a listener slower than the lease lets another instance take its
+        key, e.g. the copy the consume timeout sent back, and the sink gets it twice. A
+        key stays held while its holder lives; a dead instance's leases run out.
+        """
+        with self._lock:
+            keys = list(self._inflight)
+        if not keys:
+            return 0
+        buckets = self.dedup.config.buckets
+        result = self.dedup.hot.claim(group_by_bucket(keys, buckets), self.owner, min_version=-1)
+        with self._lock:  # finished meanwhile: the renewal must not hold them again
+            gone = [key for key in result.claimed if key not in self._inflight]
+        if gone:
+            self.dedup.hot.release(group_by_bucket(gone, buckets), self.owner)
+        if result.busy:
+            log.warning(
+                "%d in-flight key(s) are held by another consumer (their leases ran out), e.g. %r",
+                len(result.busy),
+                result.busy[0],
+            )
+        return len(result.claimed) - len(gone)
 
     def _split_held(
         self, keys: Sequence[str | None], held: set[str]

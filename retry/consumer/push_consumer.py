@@ -589,6 +589,15 @@ class PushConsumer:
                     )
             except Exception:
                 log.warning("%s: flushing %r failed", self.client_id, layer, exc_info=True)
+        self._close_middleware()
+
+    def _close_middleware(self) -> None:
+        """Stop the layers' own threads (idem's lease renewal: a stopped or crashed
+        instance's leases must run out)."""
+        for layer in self._middleware:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()
 
     def kill(self) -> None:
         """Stop as a crash would: nothing persisted, no leave, no unlock.
@@ -599,6 +608,7 @@ class PushConsumer:
         if not self._started:
             return
         self._started = False
+        self._close_middleware()
         self.scheduler.stop()
         if self.rebalance_service is not None:
             self.rebalance_service.stop()
