@@ -295,8 +295,9 @@ class ConcurrentlyService:
     def expire(self, due: Sequence[Expiring]) -> None:
         """Send messages consumed for too long back at level 3 (one call) and remove them.
 
-        A message the send-back could not place keeps its consume start: the
-        watchdog finds it again on its next look.
+        A message the send-back could not place is found again after the re-submit
+        delay (5 s, as a failed consume's local re-submit), not at the watchdog's next
+        look: a send-back path that is down is not hammered every 250 ms.
         """
         messages = [e.message for e in due]
         if self.rt.broadcasting:
@@ -326,7 +327,8 @@ class ConcurrentlyService:
                 by_queue.setdefault(e.mq, (e.pq, []))[1].append(e.message)
                 self.watchdog.sent_back_lateness_ms.append(done - e.deadline_ms)
             else:
-                e.pq.mark_consume_start([e.message], e.started_ms)
+                again = done - self.rt.consume_timeout_ms + self._resubmit_delay_ms()
+                e.pq.mark_consume_start([e.message], again)
         for mq, (pq, expired) in by_queue.items():
             self.rt.stats.add(expired=len(expired))
             log.warning(

@@ -8,6 +8,7 @@ the running consumer applies to messages already in flight.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -137,3 +138,27 @@ def test_a_new_timeout_applies_while_running(
     eventually(lambda: "STUCK-SHORTENED" in sent_back)
     assert sent_back["STUCK-SHORTENED"] - changed <= 1.0
     assert consumer.stats.snapshot()["expired"] == 2
+
+
+def test_a_timed_out_message_whose_send_back_fails_is_tried_again_after_the_resubmit_delay(
+    setup: tuple[PushConsumer, StuckListener, dict[str, float], Producer],
+) -> None:
+    consumer, _listener, sent_back, producer = setup
+    engine = consumer.engine
+    assert engine is not None
+    attempts: list[float] = []
+    send_back = engine.send_back
+
+    def down_for_a_while(messages: Sequence[MessageExt], **options: object) -> object:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise redis.ConnectionError("the send-back path is down")
+        return send_back(messages, **options)  # type: ignore[arg-type]
+
+    engine.send_back = down_for_a_while  # type: ignore[method-assign]
+    producer.send(new_message("orders", b"{}", keys="STUCK-DOWN"))
+    eventually(lambda: "STUCK-DOWN" in sent_back, timeout=20, what="sent back once it works")
+    assert len(attempts) == 3
+    gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+    assert min(gaps) >= 4.5, f"tried again after {gaps} s, not the 5 s re-submit delay"
+    assert consumer.stats.snapshot()["expired"] == 1
