@@ -346,25 +346,32 @@ class RedisHotStore:
         token = uuid.uuid4().hex
         calls = self._script_calls(self._complete, "complete")
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
+        prints_of: list[list[str]] = []  # every bucket's, checked before anything is sent
         for bucket in range(self.buckets):
-            keys = keys_by_bucket.get(bucket, ())
             try:
-                prints = [fingerprints[key] for key in keys]
+                prints = [fingerprints[key] for key in keys_by_bucket.get(bucket, ())]
             except KeyError as exc:
                 raise ValueError(f"fingerprints: no fingerprint for key {exc.args[0]!r}") from None
             if "|" in "".join(prints):
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
-            tag = self._tags[bucket]
-            routing = [self._wm[bucket], f"{tag}:s:{token}"]
-            if keys:
-                routing += [
-                    self._completed_name(tag, at // self.completed_ttl_ms),
-                    *self._claim_names(tag, now),
-                ]
-            head = [tag, *head_tail]
-            for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
-                calls.add(tag, routing, args)
-                plan.append((bucket, keys, offset, decides))
+            prints_of.append(prints)
+        try:
+            for bucket, prints in enumerate(prints_of):
+                keys = keys_by_bucket.get(bucket, ())
+                tag = self._tags[bucket]
+                routing = [self._wm[bucket], f"{tag}:s:{token}"]
+                if keys:
+                    routing += [
+                        self._completed_name(tag, at // self.completed_ttl_ms),
+                        *self._claim_names(tag, now),
+                    ]
+                head = [tag, *head_tail]
+                for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
+                    calls.add(tag, routing, args)
+                    plan.append((bucket, keys, offset, decides))
+        except BaseException:
+            calls.abandon()  # read what was sent: the connection goes back to the pool
+            raise
         replies = self.checked(calls.replies(), "complete")
 
         completed = 0

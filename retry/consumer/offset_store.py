@@ -237,7 +237,16 @@ class RemoteOffsetStore(_MemoryTable):
             pipe.hsetnx(self.key, name, offset)
         pipe.hmget(self.key, names)
         stored = pipe.execute()[-1]
-        return {mq: int(raw) for mq, raw in zip(starts, stored, strict=True)}
+        out: dict[MessageQueue, int] = {}
+        damaged: dict[str, int] = {}
+        for (mq, start), raw in zip(starts.items(), stored, strict=True):
+            try:
+                out[mq] = int(raw)
+            except (TypeError, ValueError):  # not a number (logged by read_offset): replaced
+                out[mq] = damaged[str(mq)] = start
+        if damaged:
+            self.client.hset(self.key, mapping=damaged)  # type: ignore[arg-type]
+        return out
 
     def persist_all(self, mqs: Iterable[MessageQueue]) -> dict[MessageQueue, MissedReset]:
         """Write every given queue's offset in one script call (RocketMQ's timer, every

@@ -298,7 +298,9 @@ class PushConsumer:
         if stored >= 0:
             return stored
         if self.offset_store.has_offsets(mq.topic):
-            offset = self.topics.min_offset(mq)
+            # Recorded like a new topic's starts: an instance that started the topic since
+            # this one read no offset above has recorded this queue's start, which wins.
+            offset = self.offset_store.record_starts({mq: self.topics.min_offset(mq)})[mq]
             self.offset_store.update_offset(mq, offset, False)
             return offset
         queues = {q for q in self.queues_of(mq.topic) if not self.is_retry_queue(q)} | {mq}

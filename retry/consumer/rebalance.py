@@ -302,7 +302,8 @@ class RebalanceService:
                 now = clock.now_ms()
                 woken = self._wake.is_set()  # wakeup(): a reset dropped queues, take them back
                 if now >= next_beat or now >= next_rebalance or woken:
-                    self._wake.clear()
+                    if woken:  # a wakeup() after the read above stays set for the next round
+                        self._wake.clear()
                     members = self.membership.beat()
                     next_beat = now + self.heartbeat_interval_ms
                     if (

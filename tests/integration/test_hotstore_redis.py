@@ -195,3 +195,22 @@ def test_a_claim_that_fails_part_way_gives_its_connection_and_leases_back(
     # A and B were sent before bucket 99 failed: their leases were given back too.
     taken = store.claim({0: ["A"], 1: ["B"]}, "owner:2", min_version=-1)
     assert sorted(taken.claimed) == ["A", "B"]
+
+
+def test_a_complete_refused_for_a_bad_fingerprint_marks_no_key_and_keeps_no_connection() -> None:
+    with RedisServer() as server:
+        client = server.client()
+        store = _store(client)
+        _index_empty_ledger(store)
+        keys = [f"K{i}" for i in range(40)]
+        grouped = group_by_bucket(keys, BUCKETS)
+        store.claim(grouped, "a", min_version=-1)
+        prints = dict.fromkeys(keys, "fp")
+        prints[grouped[BUCKETS - 1][0]] = "bad|fp"  # the last bucket's: checked before any is sent
+        for _ in range(3):
+            with pytest.raises(ValueError, match="must not contain '|'"):
+                store.complete(grouped, "a", prints, version=0)
+        states = store.lookup(grouped)
+        assert {state.status for state in states.values()} == {KeyStatus.IN_PROGRESS}
+        assert len(client.connection_pool._in_use_connections) == 0  # type: ignore[attr-defined]
+        client.close()

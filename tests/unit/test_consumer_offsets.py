@@ -222,3 +222,26 @@ def test_a_new_group_starts_every_queue_of_a_topic_at_its_last_offset(
     second = first if model is MessageModel.BROADCASTING else _consumer(tmp_path, client)
     assert second.compute_pull_from_where(queues[2]) == 5
     assert second.compute_pull_from_where(queues[3]) == 6
+
+
+def test_an_instance_that_read_no_offset_just_before_another_started_the_topic_takes_its_start(
+    tmp_path: Path,
+) -> None:
+    """B reads no offset for queue 1; A then starts the new topic (recording every queue's
+    last offset); B must start queue 1 where A recorded, not replay it from the first."""
+    client = fakeredis.FakeRedis()
+    topics = TopicStore(client)
+    topics.create_topic("orders", 2)
+    queues = topics.message_queues("orders")
+    for mq in queues:
+        topics.put(mq, _messages(mq, range(5)))
+    a, b = _consumer(tmp_path, client), _consumer(tmp_path, client)
+    read = b.offset_store.read_offset
+
+    def read_then_a_starts(mq: MessageQueue, read_type: ReadOffsetType) -> int:
+        offset = read(mq, read_type)
+        assert a.compute_pull_from_where(queues[0]) == 5
+        return offset
+
+    b.offset_store.read_offset = read_then_a_starts  # type: ignore[method-assign]
+    assert b.compute_pull_from_where(queues[1]) == 5
