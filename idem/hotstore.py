@@ -313,6 +313,28 @@ class RedisHotStore:
             raise
         return claim.result()
 
+    def renew(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> list[str]:
+        """Give ``owner``'s claims of these keys a new lease from now; returns the keys
+        renewed. Only claims ``owner`` still holds are touched: an absent, completed or
+        released key, or one another owner holds, stays as it is."""
+        now = self.clock.now_ms()
+        head_tail = [*self.claim_arguments(now, self._owner(owner), min_version=-1, hold=True)]
+        head_tail[-1] = "renew"
+        calls: list[ScriptCall] = []
+        plan: list[list[str]] = []
+        for bucket, keys in keys_by_bucket.items():
+            tag, routing = self.claim_route(bucket, now)
+            for start in range(0, len(keys), CLAIM_CHUNK):
+                chunk = list(keys[start : start + CLAIM_CHUNK])
+                calls.append((tag, routing, [tag, *head_tail, *chunk]))
+                plan.append(chunk)
+        renewed: list[str] = []
+        for chunk, reply in zip(plan, self.run_claims(calls) if calls else [], strict=True):
+            if reply[0] == 1:  # 0: the bucket's index is missing (Redis lost it): nothing held
+                codes = as_text(reply[1])
+                renewed += [key for key, code in zip(chunk, codes, strict=True) if code == "R"]
+        return renewed
+
     def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimCalls:
         """A :meth:`claim` whose keys are added in parts, each sent to Redis at once
         (on a single server) while the caller prepares the next; see :class:`ClaimCalls`."""

@@ -113,6 +113,10 @@ class HotStore(Protocol):
         the verdicts only, no leases taken)."""
         ...
 
+    def renew(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> list[str]:
+        """New leases for the claims ``owner`` still holds on these keys; the keys renewed."""
+        ...
+
     def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimInFlight:
         """:meth:`claim` in parts: Redis may run the first while the caller prepares the next."""
         ...

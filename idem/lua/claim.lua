@@ -12,7 +12,9 @@
 -- ARGV[7]  window_ms: the dedup window (also names the completed generations)
 -- ARGV[8]  'hold': claim (write the leases below); 'look': the same verdicts, nothing
 --          written (for a sink whose commit is the ledger's checked append: the
---          ledger, not a lease, keeps a key from being written twice)
+--          ledger, not a lease, keeps a key from being written twice); 'renew': the
+--          same verdicts, only the owner's own claims (R) written, with a new lease
+--          (a holder extending the keys it still works on; nothing absent is taken)
 -- ARGV[9..] business keys (every name built here from ARGV[1] shares the hash
 --          tag of KEYS[1], so the script stays in one cluster slot)
 --
@@ -61,10 +63,11 @@ local gen = math.floor(now / width)
 local head = 'P|' .. owner .. '|'
 local fresh = head .. lease_until .. '|1'
 
-if ARGV[8] ~= 'hold' and ARGV[8] ~= 'look' then
-  return redis.error_reply('idem: claim mode must be hold or look, got ' .. tostring(ARGV[8]))
+if ARGV[8] ~= 'hold' and ARGV[8] ~= 'look' and ARGV[8] ~= 'renew' then
+  return redis.error_reply('idem: claim mode must be hold, look or renew, got ' .. tostring(ARGV[8]))
 end
 local hold = ARGV[8] == 'hold'
+local renew = ARGV[8] == 'renew'
 local keys = {}
 for i = 9, #ARGV do
   keys[#keys + 1] = ARGV[i]
@@ -130,13 +133,16 @@ for j = 1, n do
       else
         codes[j], write = 'X', head .. lease_until .. '|' .. (tonumber(attempt) + 1)
       end
-      if write and hold and where[j] > 1 then
-        local list = moved[where[j]] or {}
-        list[#list + 1] = keys[j]
-        moved[where[j]] = list
-      end
     end
-    if write and hold then
+    if write and not (hold or (renew and codes[j] == 'R')) then
+      write = nil  -- look: the verdicts only; renew: only this owner's own claims
+    end
+    if write and value and where[j] > 1 then
+      local list = moved[where[j]] or {}
+      list[#list + 1] = keys[j]
+      moved[where[j]] = list
+    end
+    if write then
       writes[nw + 1], writes[nw + 2] = keys[j], write
       nw = nw + 2
     end

@@ -214,7 +214,8 @@ class DedupMiddleware:
             on_commit=lambda _keys: self.stats.add(commits=1),
         )
         self._lock = threading.Lock()
-        self._inflight: set[str] = set()
+        self._inflight: dict[str, int] = {}
+        """Keys reserved by this instance's calls, and when (ms): renewed while held."""
         self._closed = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -237,6 +238,7 @@ class DedupMiddleware:
         held: set[str] = set()
         reserved: dict[str, None] = {}  # insertion-ordered set
         inflight = self._inflight
+        now = self.dedup.clock.now_ms()
         with self._lock:
             for i in order:
                 key = keys[i]
@@ -245,7 +247,7 @@ class DedupMiddleware:
                 if key in inflight:
                     held.add(key)
                 else:
-                    inflight.add(key)
+                    inflight[key] = now
                     reserved[key] = None
         return held, list(reserved)
 
@@ -253,13 +255,13 @@ class DedupMiddleware:
         self, messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
     ) -> BatchResult:
         """Claim, consume the fresh messages, complete what reached the sink, release the rest."""
-        if self._renewer is None:
-            self._start_renewer()
         size = len(messages)
         order = sorted(range(size), key=list(map(precedence, messages)).__getitem__)
         raw = self._raw_keys(messages)
         keys = valid_keys(raw, field=self.field, max_bytes=self.dedup.config.max_key_bytes)
         held, reserved = self._reserve(keys, order)
+        if reserved and self._renewer is None:  # after the reservation: see _renew_loop
+            self._start_renewer()
         kept: set[str] = set()  # reserved until their group commit resolves
         try:
             result, here = self._split_held(keys, held)
@@ -291,32 +293,46 @@ class DedupMiddleware:
 
     def _unreserve(self, keys: Iterable[str]) -> None:
         with self._lock:
-            self._inflight.difference_update(keys)
+            inflight = self._inflight
+            for key in keys:
+                inflight.pop(key, None)
 
     def flush(self, timeout_ms: int | None = None) -> bool:
         """Commit what is queued now and wait for it (a consumer's shutdown calls this)."""
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
 
     def close(self) -> None:
-        """Stop renewing leases (a consumer's shutdown calls this after :meth:`flush`)."""
+        """Stop renewing leases now (a consumer's shutdown and kill call this; the next
+        consume call starts the renewal again)."""
         self._closed.set()
 
     def _start_renewer(self) -> None:
         with self._lock:
             if self._renewer is not None:
                 return
+            self._closed.clear()
             self._renewer = threading.Thread(
                 target=self._renew_loop, daemon=True, name=f"idem-lease-{self.owner[-8:]}"
             )
-        self._renewer.start()
+            self._renewer.start()
 
     def _renew_loop(self) -> None:
+        """Renew every ``lease_ms / 3`` while keys are held; end when none is (the next
+        reservation starts a new loop: a loop ends and forgets itself under the lock the
+        reservations take, and a call starts one after its reservation)."""
         interval_s = self.dedup.config.lease_ms / 3000
         while not self._closed.wait(interval_s):
+            with self._lock:
+                if not self._inflight:
+                    self._renewer = None
+                    return
             try:
                 self.renew_leases()
             except Exception:
                 log.warning("renewing the leases of in-flight keys failed", exc_info=True)
+        with self._lock:
+            if self._renewer is threading.current_thread():
+                self._renewer = None
 
     def renew_leases(self) -> int:
         """Extend the leases of the keys this instance holds (their listener runs, or they
@@ -325,25 +341,18 @@ class DedupMiddleware:
         A lease runs out after ``lease_ms`` (5 min) while the consume timeout is 15 min:
         without renewal, a listener slower than the lease lets another instance take its
         key, e.g. the copy the consume timeout sent back, and the sink gets it twice. A
-        key stays held while its holder lives; a dead instance's leases run out.
+        key is renewed for up to ``consume_timeout_ms`` after its call reserved it: a
+        listener hung for good lets its key go a lease later, and a dead instance's
+        leases run out.
         """
+        config = self.dedup.config
+        since = self.dedup.clock.now_ms() - config.consume_timeout_ms
         with self._lock:
-            keys = list(self._inflight)
+            keys = [key for key, at in self._inflight.items() if at >= since]
         if not keys:
             return 0
-        buckets = self.dedup.config.buckets
-        result = self.dedup.hot.claim(group_by_bucket(keys, buckets), self.owner, min_version=-1)
-        with self._lock:  # finished meanwhile: the renewal must not hold them again
-            gone = [key for key in result.claimed if key not in self._inflight]
-        if gone:
-            self.dedup.hot.release(group_by_bucket(gone, buckets), self.owner)
-        if result.busy:
-            log.warning(
-                "%d in-flight key(s) are held by another consumer (their leases ran out), e.g. %r",
-                len(result.busy),
-                result.busy[0],
-            )
-        return len(result.claimed) - len(gone)
+        renewed = self.dedup.hot.renew(group_by_bucket(keys, config.buckets), self.owner)
+        return len(renewed)
 
     def _split_held(
         self, keys: Sequence[str | None], held: set[str]

@@ -208,7 +208,7 @@ def test_a_complete_refused_for_a_bad_fingerprint_marks_no_key_and_keeps_no_conn
         prints = dict.fromkeys(keys, "fp")
         prints[grouped[BUCKETS - 1][0]] = "bad|fp"  # the last bucket's: checked before any is sent
         for _ in range(3):
-            with pytest.raises(ValueError, match="must not contain '|'"):
+            with pytest.raises(ValueError, match=r"must not contain '\|'"):
                 store.complete(grouped, "a", prints, version=0)
         states = store.lookup(grouped)
         assert {state.status for state in states.values()} == {KeyStatus.IN_PROGRESS}

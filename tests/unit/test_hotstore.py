@@ -74,6 +74,29 @@ def test_a_fresh_claim_takes_every_new_key(store: RedisHotStore, clock: ManualCl
     assert state.lease_until_ms == clock.now_ms() + LEASE_MS
 
 
+def test_renew_extends_only_the_claims_the_owner_still_holds(
+    store: RedisHotStore, clock: ManualClock
+) -> None:
+    held, released, done, theirs, absent = KEYS[:5], KEYS[5:8], KEYS[8:10], KEYS[10:12], KEYS[12:14]
+    store.claim(by_bucket(held + released + done), "a", min_version=-1)
+    store.claim(by_bucket(theirs), "b", min_version=-1)
+    store.release(by_bucket(released), "a")
+    store.complete(by_bucket(done), "a", dict.fromkeys(done, FP), version=0)
+    clock.advance(20)  # of the 30 s lease
+    renewed = store.renew(by_bucket(held + released + done + theirs + absent), "a")
+    assert sorted(renewed) == sorted(held)
+    states = store.lookup(by_bucket(held + released + done + theirs + absent))
+    assert {states[k].lease_until_ms for k in held} == {clock.now_ms() + LEASE_MS}
+    assert {states[k].attempt for k in held} == {1}
+    assert {states[k].status for k in released + absent} == {KeyStatus.ABSENT}
+    assert {states[k].status for k in done} == {KeyStatus.COMPLETED}
+    assert {(states[k].owner, states[k].lease_until_ms) for k in theirs} == {
+        ("b", clock.now_ms() - 20_000 + LEASE_MS)
+    }
+    clock.advance(20)  # a's first lease is over, the renewed one is not
+    assert not store.claim(by_bucket(held), "b", min_version=-1).claimed
+
+
 def test_a_completed_key_is_a_duplicate_carrying_its_fingerprint(store: RedisHotStore) -> None:
     grouped = by_bucket(KEYS)
     store.claim(grouped, "batch-1", min_version=-1)

@@ -1,0 +1,74 @@
+"""The dedup hook keeps the keys it works on: their claims are renewed while the listener
+runs, up to the consume timeout, and the renewal thread ends when nothing is held."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import redis
+from waiting import eventually
+
+from idem.config import IdemConfig
+from idem.dedup import Dedup
+from idem.keys import group_by_bucket
+from idem.redis_server import RedisServer
+from idem.retry import MessageExt
+from idem.retry.consumer import BatchResult, ConsumeScope, DedupMiddleware, MessageQueue
+
+pytestmark = pytest.mark.integration
+
+
+def _renewers(hook: DedupMiddleware) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"idem-lease-{hook.owner[-8:]}"]
+
+
+def _slow(seconds: float) -> object:
+    def listener(messages: Sequence[MessageExt]) -> BatchResult:
+        time.sleep(seconds)
+        return BatchResult(len(messages))
+
+    return listener
+
+
+@pytest.mark.parametrize(
+    ("runs_s", "taken_by_other"), [(2.5, False), (5.0, True)], ids=["slow", "hung"]
+)
+def test_a_listener_keeps_its_key_past_the_lease_until_the_consume_timeout(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    runs_s: float,
+    taken_by_other: bool,
+) -> None:
+    """Lease 1 s, consume timeout 2 s. A listener of 2.5 s keeps its key from another
+    owner throughout; one hung for 5 s lets it go a lease after the timeout."""
+    config = IdemConfig(
+        group="leases",
+        redis_url=redis_server.url,
+        data_dir=str(tmp_path),
+        buckets=4,
+        lease_ms=1000,
+        consume_timeout_ms=2000,
+    )
+    hook = DedupMiddleware(Dedup(config))
+    other = Dedup(config)
+    message = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}")
+    scope = ConsumeScope(
+        mq=MessageQueue("orders", 0), client_id="c1", orderly=False, defer_acks=False
+    )
+    call = threading.Thread(target=hook, args=([message], scope, _slow(runs_s)))
+    call.start()
+    eventually(lambda: _renewers(hook), timeout=2, what="the renewal thread started")
+    grouped = group_by_bucket(["ORDER-1"], 4)
+    time.sleep(1.6)  # past the first lease: held only if renewed
+    assert other.hot.claim(grouped, "other", min_version=-1).busy == ["ORDER-1"]
+    if taken_by_other:
+        time.sleep(2.0)  # past the timeout (2 s) and one more lease
+        assert other.hot.claim(grouped, "other", min_version=-1).claimed == ["ORDER-1"]
+    call.join(10)
+    assert hook.stats.completed == 1
+    eventually(lambda: not _renewers(hook), timeout=5, what="the renewal thread ended")
