@@ -79,8 +79,14 @@ class PullService:
         client: RedisClient,
         engine: RetryEngine | None = None,
         retry_topic: str | None = None,
+        on_failure: Callable[[], object] | None = None,
+        before_pull: Callable[[], object] | None = None,
     ) -> None:
         self.client_id = client_id
+        self.on_failure = on_failure
+        """Called when a pull fails (Redis may come back with less than it had)."""
+        self.before_pull = before_pull
+        """Called before every pull (the consumer checks its queues after a failure)."""
         self.topics = topics
         self.rebalance = rebalance
         self.settings = settings
@@ -134,6 +140,8 @@ class PullService:
         delay = self.settings.pull_time_delay_when_flow_control_ms / 1000
         while not self._stop.is_set():
             try:
+                if self.before_pull is not None:
+                    self.before_pull()
                 pqs = [pq for pq in self.rebalance.process_queues(topic) if self.may_pull(pq)]
                 if not pqs:
                     self._stop.wait(delay)
@@ -143,6 +151,8 @@ class PullService:
                 else:
                     self._pull(pqs)
             except _PULL_FAILURES as exc:
+                if self.on_failure is not None:
+                    self.on_failure()
                 log.warning(
                     "%s: pull of %s failed (%s); again in %d ms",
                     self.client_id,

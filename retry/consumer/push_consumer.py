@@ -24,9 +24,13 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+
+import redis
+from redis.cluster import RedisCluster
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
@@ -126,6 +130,11 @@ class PushConsumer:
         self._retry_acks: list[MessageExt] = []
         self._acks_lock = threading.Lock()
         self._reset_lock = threading.Lock()
+        self._redis_suspect = threading.Event()
+        """A pull failed: the queues are checked before the next pull or persist."""
+        self._suspect_lock = threading.Lock()
+        self._run_id: str | None = None
+        self._next_identity_check = 0.0
         self._started = False
         self._consume_timestamp_ms = 0
         self.rebalance: RebalanceImpl | None = None
@@ -247,8 +256,46 @@ class PushConsumer:
             with self._acks_lock:
                 self._retry_acks[:0] = pending
 
+    def _check_queues_after_failure(self) -> None:
+        """After a failed pull or a Redis restart (its ``run_id`` changed: a restart the
+        client's quick reconnect hid, or a failover), before anything pulls or persists
+        again: Redis may be back with less than it had (:meth:`correct_illegal_offsets`).
+        A persist first would write this instance's offsets over the ones Redis came
+        back with, and a pull would move past offsets it handed out again."""
+        now = time.monotonic()
+        if not self._redis_suspect.is_set() and now >= self._next_identity_check:
+            with self._suspect_lock:
+                if now >= self._next_identity_check:
+                    self._next_identity_check = now + 1.0
+                    run_id = self._server_run_id()
+                    if run_id != self._run_id and self._run_id is not None:
+                        self._redis_suspect.set()
+                    self._run_id = run_id or self._run_id
+        if not self._redis_suspect.is_set():
+            return
+        with self._suspect_lock:
+            if not self._redis_suspect.is_set():
+                return
+            self.correct_illegal_offsets()  # raises while Redis is away: checked next time
+            self._redis_suspect.clear()
+
+    def _server_run_id(self) -> str | None:
+        """The topic Redis server's ``run_id`` (``None`` on a Cluster, or unknown)."""
+        client = self.topics.client
+        if isinstance(client, RedisCluster):
+            return None
+        try:
+            return str(client.info("server").get("run_id")) or None
+        except redis.RedisError:
+            return None
+
     def persist_consumer_offset(self) -> None:
         """Write the offsets of every assigned queue out (the 5 s timer), ack retried ones."""
+        try:
+            self._check_queues_after_failure()
+        except Exception:
+            log.warning("%s: checking the queues failed; not persisting", self.client_id)
+            return
         self._flush_retry_acks()
         if self.rebalance is None:
             return
@@ -417,9 +464,11 @@ class PushConsumer:
         Beyond the maximum, or where the queue no longer holds the message last pulled
         from it, Redis lost data under this consumer (a restart from an older snapshot,
         a failover to a lagging replica, a flush): the queue's offsets were handed out
-        again, to messages this consumer has not seen. It starts again at the queue's
-        first message: delivering again (the dedup hook absorbs it) rather than skipping
-        what producers sent since (RocketMQ's broker would answer the maximum).
+        again, to messages this consumer has not seen. It starts again where the
+        restored offset store says (:meth:`_restart_point`), else at the queue's first
+        message: delivering again (the dedup hook absorbs it) rather than skipping what
+        producers sent since (RocketMQ's broker would answer the maximum). Runs on the
+        persist timer and before the pull goes on after a failed pull.
         """
         illegal: dict[MessageQueue, int] = {}
         for pq in self.process_queues():
@@ -430,12 +479,14 @@ class PushConsumer:
             offset, last = pq.next_offset, pq.last_pulled
             low, high = self.topics.min_offset(pq.mq), self.topics.max_offset(pq.mq)
             reason = f"pull offset {offset} is outside"
-            if offset < low or offset > high:
+            if offset < low:
                 illegal[pq.mq] = low
+            elif offset > high:
+                illegal[pq.mq] = self._restart_point(pq.mq, low, high)
             elif last is not None and last[0] >= low:
                 found = self.topics.msg_id_at(pq.mq, last[0])
                 if found is not None and found != last[1]:
-                    illegal[pq.mq] = low
+                    illegal[pq.mq] = self._restart_point(pq.mq, low, high)
                     reason = f"holds {found} where {last[1]} was pulled (Redis lost data); within"
             if pq.mq in illegal:
                 log.warning(
@@ -450,6 +501,17 @@ class PushConsumer:
         if illegal:
             self.reset_offsets(illegal, persist=True)
         return illegal
+
+    def _restart_point(self, mq: MessageQueue, low: int, high: int) -> int:
+        """Where a queue Redis rewound starts again: at the group's stored offset when the
+        store went back with it (one Redis, restored together: the stored offset is at or
+        before the rewind), else at the queue's first message."""
+        mine = self.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_MEMORY)
+        try:
+            stored = self.offset_store.read_offset(mq, ReadOffsetType.READ_FROM_STORE)
+        except Exception:
+            stored = -1
+        return stored if low <= stored < mine and stored <= high else low
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -509,6 +571,8 @@ class PushConsumer:
             client=self.client,
             engine=self.engine,
             retry_topic=self._retry_topic,
+            on_failure=self._redis_suspect.set,
+            before_pull=self._check_queues_after_failure,
         )
         self.scheduler.start()
         (self.orderly_service or self.concurrently_service).start()  # type: ignore[union-attr]

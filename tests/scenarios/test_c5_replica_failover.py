@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import Group, keys, offset_client
+from harness import FAST, Group, keys, offset_client
 from waiting import eventually
 
 from idem.redis_server import RedisServer
@@ -85,13 +85,14 @@ def test_c5_a_redis_back_from_an_older_snapshot_hands_offsets_out_again(
 ) -> None:
     """One Redis holds the topic and the offsets, and comes back from a snapshot older
     than its last writes (an AOF tail lost, a lagging replica promoted) while the
-    consumer runs. Its queues hand the lost offsets out again, to new messages: the
-    consumer must notice and start the queues over, never skip what was sent since."""
+    consumer runs, with RocketMQ's 5 s offset persist. Its queues hand the lost offsets
+    out again, to new messages: the consumer must notice before it pulls or persists
+    again, and start the queues where the restored offsets say, skipping nothing."""
     server = RedisServer()
     server.start()
     group = Group(server.url, tmp_path, f"g-{uuid.uuid4().hex[:8]}", dedup)
     try:
-        group.consumer("a")
+        group.consumer("a", settings=FAST.with_changes(persist_consumer_offset_interval_ms=5000))
         first = group.produce(keys("C5-S", 12))
         eventually(lambda: group.sink.has_all(first) and group.caught_up(), what="first phase")
         group.client.save()  # the snapshot Redis will come back from
@@ -100,15 +101,9 @@ def test_c5_a_redis_back_from_an_older_snapshot_hands_offsets_out_again(
         server.restart()
         after = group.produce(keys("C5-U", 8))  # the lost offsets again, new messages
         eventually(lambda: group.sink.has_all(after), what="the messages sent after consumed")
-        if not dedup:  # the snapshot's messages are delivered again
-            eventually(lambda: set(group.sink.duplicates()) == set(first), what="redelivered")
-            return
-        wanted = first + lost + after
-        eventually(
-            lambda: group.duplicates_by_cause()["completed"] == len(first),
-            what="the snapshot's messages redelivered and absorbed",
-        )
-        group.assert_exactly_once(wanted)
+        assert set(group.sink.duplicates()) <= set(first)  # at most the snapshot's again
+        if dedup:
+            group.assert_exactly_once(first + lost + after)
     finally:
         group.close()
         server.stop()
