@@ -142,7 +142,11 @@ class ConcurrentlyService:
             return
         # the watchdog wakes at least every 250 ms and a timeout is >= 1 s: no need to poke it
         pq.mark_consume_start(messages, self.rt.clock.now_ms())
-        result = self.rt.build_chain(mq, orderly=False)(messages)
+        try:
+            result = self.rt.build_chain(mq, orderly=False)(messages)
+        except Exception as exc:  # a layer raised: the messages must not wait for the timeout
+            log.warning("%s: consume call on %s raised", self.rt.client_id, mq, exc_info=True)
+            result = BatchResult.all_failed(len(messages), exc)
         if pq.dropped:
             self.rt.stats.add(dropped_results=len(messages))
             log.warning(

@@ -151,6 +151,13 @@ class BatchResult:
         return not self.failed and not self.dead
 
     @classmethod
+    def all_failed(cls, size: int, exc: BaseException) -> BatchResult:
+        """Every message failed with ``exc`` (the call raised instead of answering): sent
+        back or retried, counted as a reconsume, so a message that always raises ends in
+        the DLQ with this reason."""
+        return cls(size, failed=dict.fromkeys(range(size), Failure(f"{type(exc).__name__}: {exc}")))
+
+    @classmethod
     def from_concurrently(
         cls,
         size: int,

@@ -226,7 +226,7 @@ class DedupMiddleware:
         for message in messages:
             try:
                 out.append(self._key_of(message))
-            except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+            except Exception:  # e.g. a body not JSON, or nested past the recursion limit
                 out.append(None)  # undecodable body: reported as a null key
         return out
 

@@ -184,7 +184,11 @@ class OrderlyService:
                 messages = pq.take_messages(settings.consume_message_batch_max_size)
                 if not messages:
                     return
-                result = self.rt.build_chain(mq, orderly=True)(messages)
+                try:
+                    result = self.rt.build_chain(mq, orderly=True)(messages)
+                except Exception as exc:  # the taken messages must go back, not be dropped
+                    log.warning("%s: consume call on %s raised", self.rt.client_id, mq)
+                    result = BatchResult.all_failed(len(messages), exc)
                 if pq.dropped:
                     self.rt.stats.add(dropped_results=len(messages))
                     return

@@ -401,3 +401,73 @@ def test_a_reset_after_redis_lost_its_reset_bookkeeping_still_takes_effect(
     reset_offsets(real_redis, config.group, {mq: 0})  # replay everything
     eventually(lambda: len(got.keys()) == 12)
     eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 5)
+
+
+@pytest.mark.parametrize("orderly", [False, True], ids=["concurrently", "orderly"])
+def test_a_consume_call_that_raises_ends_in_the_dlq_and_the_queue_goes_on(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer], orderly: bool
+) -> None:
+    """A layer raises instead of answering (a middleware bug; the dedup hook reading the
+    key of a body nested past Python's recursion limit): the messages are retried and
+    then dead-lettered with the exception, never dropped (orderly lost the call's
+    messages) nor left to the consume timeout (concurrently held the offset that long)."""
+    from idem.dedup import Dedup
+    from idem.retry.consumer import BatchResult, ConsumeScope, DedupMiddleware
+    from idem.retry.consumer.listener import CallNext
+    from idem.retry.status import ConsumeOrderlyContext, ConsumeOrderlyStatus
+
+    config = config.with_changes(max_reconsume_times=1)
+    mq = MessageQueue("orders", 0)
+    deep = b'{"order_id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    bodies = {"K0": b'{"order_id": "K0"}', "BOOM": b'{"order_id": "BOOM"}', "DEEP": deep}
+    bodies["K3"] = b'{"order_id": "K3"}'
+    sent = [new_message("orders", body, keys=key) for key, body in bodies.items()]
+    TopicStore(real_redis).put(mq, sent)
+    key_of = {m.msg_id: m.keys for m in sent}
+
+    def boom(
+        messages: Sequence[MessageExt], scope: ConsumeScope, call_next: CallNext
+    ) -> BatchResult:
+        if any(m.keys == "BOOM" for m in messages):
+            raise RuntimeError("boom")
+        return call_next(messages)
+
+    got: list[str] = []
+
+    def concurrently(
+        messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        got.extend(m.keys or "" for m in messages)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    def in_order(messages: Sequence[MessageExt], context: ConsumeOrderlyContext) -> object:
+        got.extend(m.keys or "" for m in messages)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    consumer = PushConsumer(config, settings=FAST)
+    consumer.subscribe("orders")
+    consumer.use(boom)
+    consumer.use(DedupMiddleware(Dedup(config), key="body.order_id"))
+    if orderly:
+        consumer.register_message_listener_orderly(in_order)
+    else:
+        consumer.register_message_listener_concurrently(concurrently)
+    consumers.append(consumer.start())
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 4, timeout=30)
+    letters = {}
+    eventually(
+        lambda: (
+            letters.update(
+                {
+                    key_of[d.origin_msg_id]: d
+                    for d in DeadLetterTable(config.resolved_dlq_path, config.group).list()
+                }
+            )
+            or set(letters) == {"BOOM", "DEEP"}
+        ),
+        timeout=30,
+        what="both poison messages dead-lettered",
+    )
+    assert sorted(set(got)) == ["K0", "K3"]
+    assert "RuntimeError: boom" in (letters["BOOM"].last_error or "")
+    assert "body.order_id" in (letters["DEEP"].last_error or "")
