@@ -38,7 +38,7 @@ from idem.spark.messages import (
     msg_id_prefix,
 )
 from idem.spark.outcome import BatchOutcome
-from idem.spark.rows import RowCodec
+from idem.spark.rows import RowCodec, python_values
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class BatchRun:
         self._applied: list[int] = []
         self._applied_before: list[int] = []
         self._failed: dict[int, str] = {}
+        self.misfits: dict[int, str] = {}
+        """Fresh rows that do not fit the sink table's column types, with why."""
         self._levels: Counter[int] = Counter()
         self._dead = 0
         self._slipped: tuple[str, ...] = ()
@@ -253,12 +255,23 @@ class BatchRun:
 
     # -- step 5 --------------------------------------------------------------------------------
 
-    def commit(self, failed: Mapping[int, str], *, payload: pa.Table | None = None) -> None:
-        """Commit the accepted rows (ledger first, then Redis); release the failed ones."""
+    def commit(
+        self,
+        failed: Mapping[int, str],
+        *,
+        payload: pa.Table | None = None,
+        misfits: Mapping[int, str] | None = None,
+    ) -> None:
+        """Commit the accepted rows (ledger first, then Redis); release the failed ones and
+        the ``misfits`` (rows that do not fit the sink table: dead-lettered by
+        :meth:`send_back`)."""
         claim = self.claim_result
         if claim is None:
             raise RuntimeError("commit before claim")
         self._failed = dict(failed)
+        self.misfits = dict(misfits or {})
+        if self.misfits:
+            failed = {**failed, **self.misfits}
         succeeded = [i for i in claim.fresh if i not in failed] if failed else list(claim.fresh)
         if succeeded:
             app_id = f"idem-spark:{self.dedup.config.group}:{self.query_id}"
@@ -315,6 +328,7 @@ class BatchRun:
             if bad.index not in self.malformed
         }
         dead.update({i: f"malformed: {reason}" for i, reason in self.malformed.items()})
+        dead.update({i: f"schema_mismatch: {reason}" for i, reason in self.misfits.items()})
         if self.dedup.config.mismatch_policy is MismatchPolicy.DEAD_LETTER:
             for i in claim.mismatched:
                 dead[i] = "payload_mismatch: completed before with a different payload"
@@ -432,17 +446,32 @@ def _keys_at(keys: Sequence[str | None], indices: Sequence[int]) -> tuple[str, .
 
 def _raw_key(value: object) -> str | None:
     """A bad key as text for the DLQ row, so ``idem dlq show --key`` finds it (``None``
-    when it is null): a decimal, date or float key is written as Python prints it."""
-    if value is None or isinstance(value, str):
+    when it is null): a decimal, date or float key is written as Python prints it, and
+    text that is not valid Unicode with its bad bytes escaped (``K\\xff``)."""
+    if value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            errors = "surrogateescape" if _escaped_bytes_only(value) else "surrogatepass"
+            return value.encode("utf-8", errors).decode("utf-8", "backslashreplace")
         return value
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
 
 
+def _escaped_bytes_only(text: str) -> bool:
+    """Whether every lone surrogate in ``text`` stands for a byte (``surrogateescape``)."""
+    return all("\udc80" <= c <= "\udcff" for c in text if "\ud800" <= c <= "\udfff")
+
+
 def _key_values(column: pa.ChunkedArray) -> list[object]:
-    """The key column as Python values; whole numbers become text (keys are text)."""
-    values: list[object] = column.to_pylist()
+    """The key column as Python values; whole numbers become text (keys are text). A
+    Spark string that is not valid UTF-8 (e.g. ``CAST(binary AS STRING)``) keeps its bad
+    bytes as lone surrogates: the key check refuses it, and its row is dead-lettered."""
+    values: list[object] = python_values(column, "surrogateescape")
     if pa.types.is_integer(column.type):
         return [None if v is None else str(v) for v in values]
     return values
@@ -468,7 +497,7 @@ def _text_values(table: pa.Table, column: str) -> dict[int, str]:
     if values.null_count == len(values):
         return {}
     present = pc.indices_nonzero(pc.is_valid(values)).to_pylist()
-    texts = values.take(pa.array(present, pa.int64())).to_pylist()
+    texts = python_values(values.take(pa.array(present, pa.int64())), "replace")
     return dict(zip(present, texts, strict=True))
 
 

@@ -50,6 +50,7 @@ from idem.retry.engine import RetryEngine
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.batch import BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
+from idem.spark.fit import fit_rows
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
     DEFAULT_TOPIC,
@@ -258,7 +259,8 @@ class ExactlyOnce:
         failed = self._call_sink(run, batch_df) if run.fresh else {}
         clock.lap("sink")
         crash_point(CrashPoint.AFTER_SINK, run.batch_id, self.crash_plan)
-        run.commit(failed, payload=self._sink_payload(run, failed) if self.sink_table else None)
+        payload, misfits = self._sink_payload(run, failed) if self.sink_table else (None, {})
+        run.commit(failed, payload=payload, misfits=misfits)
         clock.lap("commit")
         crash_point(CrashPoint.AFTER_COMMIT, run.batch_id, self.crash_plan)
         run.send_back(failed)
@@ -328,16 +330,22 @@ class ExactlyOnce:
             )
         return taken
 
-    def _sink_payload(self, run: BatchRun, failed: Mapping[int, str]) -> pa.Table | None:
+    def _sink_payload(
+        self, run: BatchRun, failed: Mapping[int, str]
+    ) -> tuple[pa.Table | None, dict[int, str]]:
         """The user's columns of the accepted rows, to be written into the sink table
-        (``None``: the rows have no column but the key, which the ledger holds)."""
+        (``None``: the rows have no column but the key, which the ledger holds), fitted
+        to the table's column types; and the rows that do not fit them, with why."""
         taken = self._sink_columns(run.payload_columns)
         if not taken:
-            return None
-        succeeded = [i for i in run.fresh if i not in failed] if failed else run.fresh
+            return None, {}
+        succeeded = [i for i in run.fresh if i not in failed] if failed else list(run.fresh)
         if len(succeeded) == run.size:  # every row, in order
-            return run.table.select(taken)
-        return run.table.select(taken).take(pa.array(succeeded, pa.int64()))
+            payload = run.table.select(taken)
+        else:
+            payload = run.table.select(taken).take(pa.array(succeeded, pa.int64()))
+        fitted, misfits = fit_rows(payload, self.dedup.ledger.column_types())
+        return fitted, {succeeded[n]: why for n, why in misfits.items()}
 
 
 class _StepClock:

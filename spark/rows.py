@@ -115,18 +115,28 @@ class RowCodec:
             value = row.get(name)
             out[name] = None if value is None else enc(value, name)
         try:
-            return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+            text = json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+            return text.encode("utf-8", "surrogateescape")  # bytes kept as they came
         except (TypeError, ValueError) as exc:  # pragma: no cover - encoders cover the types
             raise SerializationError(f"row: cannot encode as JSON ({exc})") from exc
 
     def encode_table(self, table: pa.Table, indices: Iterable[int] | None = None) -> list[bytes]:
-        """Encode rows of an Arrow table (e.g. ``DataFrame.toArrow()``), optionally a subset."""
+        """Encode rows of an Arrow table (e.g. ``DataFrame.toArrow()``), optionally a subset.
+
+        A string Spark let through that is not UTF-8 keeps its bytes: the body holds them
+        as they were (it is then not UTF-8 either), rather than the row failing its batch.
+        """
         wanted = [n for n in self.names if n in table.column_names]
         if indices is not None:
             table = table.select(wanted).take(pa.array(list(indices), pa.int64()))
         else:
             table = table.select(wanted)
-        return [self.encode(row) for row in table.to_pylist()]
+        try:
+            rows = table.to_pylist()
+        except UnicodeDecodeError:
+            columns = [python_values(table.column(n), "surrogateescape") for n in wanted]
+            rows = [dict(zip(wanted, values, strict=True)) for values in zip(*columns, strict=True)]
+        return [self.encode(row) for row in rows]
 
     def decode(self, body: bytes | str) -> tuple[Any, ...]:
         """The typed values of one encoded row, in schema order (missing columns are null)."""
@@ -466,3 +476,15 @@ _SCALARS: tuple[tuple[type[st.DataType], Encoder, Decoder], ...] = (
 )
 """Each scalar Spark type with its JSON encoder and decoder, checked in this order (integers,
 decimals and floats come first, with their ranges: see :func:`_scalar_codec`)."""
+
+
+def python_values(values: pa.ChunkedArray | pa.Array, errors: str) -> list[Any]:
+    """``values.to_pylist()``; a string column holding bytes that are not UTF-8 (Spark
+    does not check its strings) is decoded with ``errors`` instead of failing the batch."""
+    try:
+        python: list[Any] = values.to_pylist()
+        return python
+    except UnicodeDecodeError:
+        binary = pa.large_binary() if pa.types.is_large_string(values.type) else pa.binary()
+        raw = values.cast(binary)
+        return [None if v is None else v.decode("utf-8", errors) for v in raw.to_pylist()]

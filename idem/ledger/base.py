@@ -116,6 +116,10 @@ class Ledger(Protocol):
         """
         ...
 
+    def column_types(self) -> pa.Schema | None:
+        """The table's columns as Arrow types (``None``: no table yet, or not known)."""
+        ...
+
     def keys_added_since(self, version: int) -> ChangedKeys | None:
         """Keys added by versions after ``version``, reading only those versions' files.
 

@@ -402,6 +402,11 @@ class DeltaLedger:
 
     # -- reading what was missed -------------------------------------------------
 
+    def column_types(self) -> pa.Schema | None:
+        """The table's columns as Arrow types (``None`` while there is no table)."""
+        table = self._table or self._latest()
+        return None if table is None else pa.schema(table.schema().to_arrow())
+
     def keys_added_since(self, version: int) -> ChangedKeys | None:
         """Keys added by versions ``(version, current]``, from just the files they added.
 

@@ -184,6 +184,10 @@ class SparkDeltaLedger:
                 return int(row["version"]), int(metrics.get("numTargetRowsInserted", 0))
         return None
 
+    def column_types(self) -> pa.Schema | None:
+        """Not known on this engine: rows that do not fit fail the commit (Spark names it)."""
+        return None
+
     def keys_added_since(self, version: int) -> ChangedKeys | None:
         """Keys added by versions after ``version``: their commit JSONs, then just their files.
 

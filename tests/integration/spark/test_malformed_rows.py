@@ -173,6 +173,69 @@ def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_l
     assert report.pending_retries == 0
 
 
+def test_text_that_is_not_utf8_is_dead_lettered_not_a_failed_batch(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Spark does not check that its strings are UTF-8 (``CAST(binary AS STRING)``, a
+    source line with a stray byte): such a key, or such a line, is dead-lettered, and
+    the rest of the batch lands; before, every run of the batch failed on it."""
+    config = config_for(tmp_path, redis_server.url, "not-utf8")
+    keeper = Keeper(failing=False)
+    sink = ExactlyOnce(keeper, config=config, key="order_id", client=real_redis)
+    sink.query_id = "q"
+    raw = spark.createDataFrame([(bytearray(b"K\xff"),), (bytearray(b"OK"),)], "k binary")
+    outcome = sink.process(raw.selectExpr("CAST(k AS STRING) AS order_id"), 0)
+    assert (outcome.applied, outcome.invalid) == (1, 1)
+    assert keeper.rows == [{"order_id": "OK"}]
+    [letter] = dead_letters(config)
+    assert "not valid Unicode" in (letter.last_error or "")
+
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "part-0000.json").write_bytes(
+        b'{"order_id": "U\xff1", "amount": 1}\n{"order_id": "OK1", "amount": 2}\n'
+    )
+    run_config = config_for(tmp_path / "run", redis_server.url, "not-utf8-run")
+    spec = delta_run(tmp_path / "run", source, schema="order_id string, amount double")
+    pipeline = Pipeline(spark, run_config, spec, client=redis_server.client())
+    try:
+        report = pipeline.run()
+    finally:
+        pipeline.close()
+    assert sink_key_counts(tmp_path / "run" / "sink") == {"OK1": 1}
+    assert report.dead_letters == 1
+    assert len(dead_letters(run_config)) == 1
+
+
+def test_a_row_that_does_not_fit_the_sink_tables_types_is_dead_lettered_the_rest_land(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The Delta sink table took its types from its first batch; a later batch brings a
+    value that does not fit (text where a double is, a number past an int's range). That
+    row is dead-lettered naming the column and the value; the others land. Before, the
+    commit failed, and so did every replay of the batch."""
+    config = config_for(tmp_path, redis_server.url, "misfits")
+    table = tmp_path / "sink"
+    sink = ExactlyOnce(
+        None, config=config, key="order_id", client=real_redis, sink_table=str(table)
+    )
+    sink.query_id = "q"
+    first = spark.createDataFrame([("A", 1.5, 7)], "order_id string, amount double, qty int")
+    assert sink.process(first, 0).applied == 1
+    later = spark.createDataFrame(
+        [("B", "2.5", 8), ("C", "abc", 9), ("D", "4", 2**40)],
+        "order_id string, amount string, qty bigint",
+    )
+    outcome = sink.process(later, 1)
+    assert (outcome.applied, outcome.dead) == (1, 2)
+    assert sink_key_counts(table) == {"A": 1, "B": 1}
+    assert {r["order_id"]: r["amount"] for r in sink_rows(table)} == {"A": 1.5, "B": 2.5}
+    letters = {d.key: d.last_error or "" for d in dead_letters(config)}
+    assert "column 'amount': 'abc' does not fit the sink table's double" in letters["C"]
+    assert "column 'qty': 1099511627776 does not fit the sink table's int32" in letters["D"]
+    assert "schema_mismatch" in letters["C"]
+
+
 def _drain_retries(
     spark: SparkSession,
     config: IdemConfig,
