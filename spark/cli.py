@@ -42,6 +42,17 @@ EXIT_CHECK_FAILED = 4
 log = logging.getLogger(__name__)
 
 
+def _count(text: str) -> int:
+    """A row count for ``--limit``: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def _fail(code: int, message: str) -> int:
     print(f"idem: error: {message}", file=sys.stderr)
     return code
@@ -171,7 +182,7 @@ def _selection(args: argparse.Namespace) -> Selection:
 def _dlq_ls(args: argparse.Namespace) -> int:
     engine = _engine(args)
     status = None if args.status == "all" else DeadLetterStatus(args.status.upper())
-    letters = engine.dlq.list(status=status, limit=args.limit)
+    letters = engine.dlq.list(status=status, limit=args.limit or None)
     if args.json:
         if letters:
             print(dumps(describe(d) for d in letters))
@@ -335,7 +346,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ls = commands.add_parser("ls", help="list dead letters, newest first")
     _add_config_options(ls)
     ls.add_argument("--status", default="dead", choices=["dead", "replayed", "discarded", "all"])
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--limit", type=_count, default=50, help="show at most this many rows (0: all)")
     ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     ls.set_defaults(func=_guarded(_dlq_ls))
 

@@ -158,3 +158,14 @@ def test_a_dlq_replay_that_cannot_store_its_messages_is_exit_1_saying_so(
     )  # fmt: skip
     assert code == 1
     assert "idem: error: replay: 1 message(s) could not be stored; run it again" in err
+
+
+@pytest.mark.parametrize("limit", ["-1", "-3", "many"])
+def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
+    capsys: pytest.CaptureFixture[str], limit: str
+) -> None:
+    """``--limit -1`` hid the last row (a Python slice), ``-3`` the last three."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["dlq", "ls", "--group", "g", "--limit", limit])
+    assert exit_.value.code == 2
+    assert f"--limit: {limit!r} is not a whole number >= 0" in capsys.readouterr().err
