@@ -167,12 +167,26 @@ class PullService:
 
     def _pull(self, pqs: Sequence[ProcessQueue]) -> None:
         offsets = {pq.mq: pq.next_offset for pq in pqs}
-        found = self.topics.read_many(
-            offsets,
-            self.settings.pull_batch_size,
-            self.settings.pull_block_ms or None,
-            client=self.client,
-        )
+        anchors = {pq.mq: pq.last_pulled for pq in pqs if pq.last_pulled is not None}
+        if anchors and isinstance(self.client, redis.Redis):
+            # Checked in the same round trip: a queue Redis rewound under this consumer
+            # hands its offsets out again, and a pull from the old offset would skip them.
+            found, rewound = self.topics.read_many_anchored(
+                offsets,
+                anchors,
+                self.settings.pull_batch_size,
+                self.settings.pull_block_ms or None,
+                client=self.client,
+            )
+            if rewound and self.on_failure is not None:
+                self.on_failure()  # the consumer restarts those queues before the next pull
+        else:
+            found = self.topics.read_many(
+                offsets,
+                self.settings.pull_batch_size,
+                self.settings.pull_block_ms or None,
+                client=self.client,
+            )
         for pq in pqs:
             messages = found.get(pq.mq)
             if messages and pq.next_offset == offsets[pq.mq]:

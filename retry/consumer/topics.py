@@ -190,6 +190,45 @@ class TopicStore:
             out[mq] = [self._message(mq, eid, fields) for eid, fields in entries]
         return out
 
+    def read_many_anchored(
+        self,
+        offsets: Mapping[MessageQueue, int],
+        anchors: Mapping[MessageQueue, tuple[int, str]],
+        count: int,
+        block_ms: int | None = None,
+        *,
+        client: redis.Redis,
+    ) -> tuple[dict[MessageQueue, list[MessageExt]], set[MessageQueue]]:
+        """:meth:`read_many`, and in the same round trip the entry at each queue's anchor
+        (the offset and msg id of the message last pulled from it); returns the messages
+        and the queues whose anchor now holds another message. Such a queue was rewound
+        (Redis lost data) and its offsets handed out again: its messages are not
+        returned. A single server only (the anchors go in one pipeline with the read)."""
+        if not offsets:
+            return {}, set()
+        pipe = client.pipeline(transaction=False)
+        by_key = {self.queue_key(mq): mq for mq in offsets}
+        streams = {key: f"0-{offsets[mq]}" for key, mq in by_key.items()}
+        pipe.xread(cast(Any, streams), count=count, block=block_ms)
+        # After the read, which may block: offsets are handed out in order, so a message
+        # the read got past the anchor was written after whatever now holds the anchor.
+        checked = [mq for mq in offsets if mq in anchors]
+        for mq in checked:
+            entry_id = f"0-{anchors[mq][0] + 1}"
+            pipe.xrange(self.queue_key(mq), min=entry_id, max=entry_id)
+        reply, *found = pipe.execute()
+        rewound = {
+            mq
+            for mq, entries in zip(checked, found, strict=True)
+            if entries and self._message(mq, *entries[0]).msg_id != anchors[mq][1]
+        }
+        out: dict[MessageQueue, list[MessageExt]] = {}
+        for raw_key, entries in cast(list[Any], reply or []):
+            mq = by_key[_text(raw_key)]
+            if mq not in rewound:
+                out[mq] = [self._message(mq, eid, fields) for eid, fields in entries]
+        return out, rewound
+
     def pull(self, mq: MessageQueue, offset: int, max_nums: int = 32) -> PullResult:
         """``pullMessage`` of one queue from ``offset``, with the queue's bounds."""
         low, high = self.min_offset(mq), self.max_offset(mq)
