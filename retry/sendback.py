@@ -203,8 +203,10 @@ class SendBackProcessor:
         )
         wire = scheduled.to_wire()
         too_large = oversize_reason(scheduled, wire, self.max_message_bytes)
-        if too_large is not None:
-            return self._dead(message, message, too_large, self.clock.now_ms())
+        if too_large is not None:  # the reason is its error: it failed no consume
+            now = self.clock.now_ms()
+            failed = with_failure(message, FailureRecord.of(too_large, now))
+            return self._dead(message, failed, too_large, now)
         return Scheduled(
             original=message,
             message=scheduled,

@@ -221,6 +221,9 @@ def test_a_message_over_max_message_bytes_is_dead_lettered_with_its_size(
     assert result.outcomes[2].reason == reason
     (letter,) = engine.dlq.list()
     assert (letter.origin_msg_id, letter.reason, letter.body) == ("BIG", reason, big.body)
+    # `idem dlq show` prints an error for it either way (a busy key failed no consume)
+    assert letter.last_error is not None
+    assert (reason in letter.last_error) == (path == "busy")
     journaled = {e.origin_msg_id for e in engine.journal.events() if e.wire is not None}
     assert "BIG" not in journaled  # nothing for Redis to refuse
     delivered = drain(engine, clock, after_s=3 * 3600)
