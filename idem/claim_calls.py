@@ -49,15 +49,24 @@ class ClaimCalls:
     """
 
     def __init__(
-        self, store: RedisHotStore, owner: str, *, min_version: int, hold: bool = True
+        self,
+        store: RedisHotStore,
+        owner: str,
+        *,
+        min_version: int,
+        hold: bool = True,
+        renew: bool = False,
     ) -> None:
+        """``hold=False``: the verdicts only; ``renew``: only ``owner``'s own claims get a
+        new lease (verdict R, reported as re-taken), nothing else is written."""
         self._store = store
         self._now = store.clock.now_ms()
+        mode = "renew" if renew else "hold" if hold else "look"
         self._head_tail = store.claim_arguments(
-            self._now, owner, min_version=min_version, hold=hold
+            self._now, owner, min_version=min_version, mode=mode
         )
         self._owner = owner
-        self._hold = hold
+        self._hold = hold and not renew  # what abandon() gives back
         self._plan: list[tuple[int, list[str]]] = []  # bucket, keys
         client = store.client
         self._streamed = not isinstance(client, RedisCluster)

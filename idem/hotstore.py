@@ -228,13 +228,12 @@ class RedisHotStore:
             *self._claim_names(tag, now_ms),
         ]
 
-    def claim_arguments(
-        self, now_ms: int, owner: str, *, min_version: int, hold: bool
-    ) -> list[str]:
-        """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow)."""
+    def claim_arguments(self, now_ms: int, owner: str, *, min_version: int, mode: str) -> list[str]:
+        """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow); ``mode``
+        is ``hold``, ``look`` or ``renew`` (see the script)."""
         return [
             str(now_ms), owner, str(self.lease_ms), self._claim_gens,
-            _version("min_version", min_version), self._window, "hold" if hold else "look",
+            _version("min_version", min_version), self._window, mode,
         ]  # fmt: skip
 
     @property
@@ -305,35 +304,26 @@ class RedisHotStore:
         leases: for a sink whose commit is the ledger's checked append, which
         alone keeps a key from being written twice.
         """
-        claim = self.start_claim(owner, min_version=min_version, hold=hold)
-        try:
-            claim.add(keys_by_bucket)
-        except BaseException:
-            claim.abandon()  # reads what was sent: the connection goes back clean
-            raise
-        return claim.result()
+        return self._claimed(
+            ClaimCalls(self, self._owner(owner), min_version=min_version, hold=hold),
+            keys_by_bucket,
+        )
 
     def renew(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> list[str]:
         """Give ``owner``'s claims of these keys a new lease from now; returns the keys
         renewed. Only claims ``owner`` still holds are touched: an absent, completed or
         released key, or one another owner holds, stays as it is."""
-        now = self.clock.now_ms()
-        head_tail = [*self.claim_arguments(now, self._owner(owner), min_version=-1, hold=True)]
-        head_tail[-1] = "renew"
-        calls: list[ScriptCall] = []
-        plan: list[list[str]] = []
-        for bucket, keys in keys_by_bucket.items():
-            tag, routing = self.claim_route(bucket, now)
-            for start in range(0, len(keys), CLAIM_CHUNK):
-                chunk = list(keys[start : start + CLAIM_CHUNK])
-                calls.append((tag, routing, [tag, *head_tail, *chunk]))
-                plan.append(chunk)
-        renewed: list[str] = []
-        for chunk, reply in zip(plan, self.run_claims(calls) if calls else [], strict=True):
-            if reply[0] == 1:  # 0: the bucket's index is missing (Redis lost it): nothing held
-                codes = as_text(reply[1])
-                renewed += [key for key, code in zip(chunk, codes, strict=True) if code == "R"]
-        return renewed
+        calls = ClaimCalls(self, self._owner(owner), min_version=-1, renew=True)
+        return self._claimed(calls, keys_by_bucket).retaken
+
+    @staticmethod
+    def _claimed(calls: ClaimCalls, keys_by_bucket: Mapping[int, Sequence[str]]) -> ClaimResult:
+        try:
+            calls.add(keys_by_bucket)
+        except BaseException:
+            calls.abandon()  # reads what was sent: the connection goes back clean
+            raise
+        return calls.result()
 
     def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimCalls:
         """A :meth:`claim` whose keys are added in parts, each sent to Redis at once

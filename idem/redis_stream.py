@@ -136,9 +136,6 @@ class ScriptCalls:
         if self._stream is not None:
             self._stream.call(self._script, keys, args)
 
-    def __len__(self) -> int:
-        return len(self._calls)
-
     def abandon(self) -> None:
         """Read and drop the replies of what was sent (nothing is sent again)."""
         if self._stream is not None:

@@ -256,7 +256,7 @@ class PushConsumer:
             with self._acks_lock:
                 self._retry_acks[:0] = pending
 
-    def _check_queues_after_failure(self) -> None:
+    def _check_queues_if_redis_changed(self) -> None:
         """After a failed pull or a Redis restart (its ``run_id`` changed: a restart the
         client's quick reconnect hid, or a failover), before anything pulls or persists
         again: Redis may be back with less than it had (:meth:`correct_illegal_offsets`).
@@ -292,7 +292,7 @@ class PushConsumer:
     def persist_consumer_offset(self) -> None:
         """Write the offsets of every assigned queue out (the 5 s timer), ack retried ones."""
         try:
-            self._check_queues_after_failure()
+            self._check_queues_if_redis_changed()
         except Exception:
             log.warning("%s: checking the queues failed; not persisting", self.client_id)
             return
@@ -572,7 +572,7 @@ class PushConsumer:
             engine=self.engine,
             retry_topic=self._retry_topic,
             on_failure=self._redis_suspect.set,
-            before_pull=self._check_queues_after_failure,
+            before_pull=self._check_queues_if_redis_changed,
         )
         self.scheduler.start()
         (self.orderly_service or self.concurrently_service).start()  # type: ignore[union-attr]
