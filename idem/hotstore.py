@@ -358,7 +358,8 @@ class RedisHotStore:
         token = uuid.uuid4().hex
         calls = self._script_calls(self._complete, "complete")
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
-        prints_of: list[list[str]] = []  # every bucket's, checked before anything is sent
+        values_of: list[list[str]] = []  # every bucket's, checked before anything is sent
+        tail = f"|{at}"
         for bucket in range(self.buckets):
             try:
                 prints = [fingerprints[key] for key in keys_by_bucket.get(bucket, ())]
@@ -366,9 +367,9 @@ class RedisHotStore:
                 raise ValueError(f"fingerprints: no fingerprint for key {exc.args[0]!r}") from None
             if "|" in "".join(prints):
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
-            prints_of.append(prints)
+            values_of.append([fingerprint + tail for fingerprint in prints])
         try:
-            for bucket, prints in enumerate(prints_of):
+            for bucket, values in enumerate(values_of):
                 keys = keys_by_bucket.get(bucket, ())
                 tag = self._tags[bucket]
                 routing = [self._wm[bucket], f"{tag}:s:{token}"]
@@ -378,7 +379,9 @@ class RedisHotStore:
                         *self._claim_names(tag, now),
                     ]
                 head = [tag, *head_tail]
-                for args, offset, decides in _calls(head, (keys, prints), COMPLETE_CHUNK):
+                for args, offset, decides in _calls(
+                    head, (keys, values), COMPLETE_CHUNK, pairs=True
+                ):
                     calls.add(tag, routing, args)
                     plan.append((bucket, keys, offset, decides))
         except BaseException:
@@ -619,22 +622,28 @@ class RedisHotStore:
 
 
 def _calls(
-    head: list[str], columns: Sequence[Sequence[str | int]], size: int
+    head: list[str], columns: Sequence[Sequence[str | int]], size: int, *, pairs: bool = False
 ) -> Iterator[tuple[list[str | int], int, bool]]:
-    """The script calls that carry ``columns`` (keys first) of one bucket.
+    """The script calls that carry ``columns`` (keys first) of one bucket: one column
+    after the other, or (``pairs``) row by row, each key followed by its values.
 
     One ``all`` call when they fit ``size``; else ``part`` calls counted in a
     session key and an ``end`` call that moves the watermark only if every part
     arrived. Yields (ARGV, offset of the call's first key, decides the watermark).
     """
+    join = chain.from_iterable
     total = len(columns[0])
     if total <= size:
-        yield [*head, "all", "0", *chain.from_iterable(columns)], 0, True
+        yield [*head, "all", "0", *join(zip(*columns, strict=True) if pairs else columns)], 0, True
         return
     starts = range(0, total, size)
     for start in starts:
-        part = chain.from_iterable(column[start : start + size] for column in columns)
-        yield [*head, "part", str(SESSION_TTL_MS), *part], start, False
+        part = [column[start : start + size] for column in columns]
+        yield (
+            [*head, "part", str(SESSION_TTL_MS), *join(zip(*part, strict=True) if pairs else part)],
+            start,
+            False,
+        )
     yield [*head, "end", str(len(starts))], total, True
 
 

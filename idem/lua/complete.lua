@@ -21,16 +21,19 @@
 --                   ARGV[9] chunks and no fence (a chunk lost by a Redis restart or
 --                   failover in between is caught here), then drop the session
 -- ARGV[9]  expected chunk count (mode 'end'), session TTL in ms (mode 'part')
--- ARGV[10..9+n]     n business keys
--- ARGV[10+n..9+2n]  their fingerprints (no '|')
+-- ARGV[10..9+2n]   n pairs: a business key, then its value
+--                   <fingerprint>|<completed_at_ms> (the fingerprint without '|';
+--                   the time is ARGV[5])
 --
 -- Per key (see claim.lua for the layout): the key becomes COMPLETED — field
--- <key> = <fingerprint>|<completed_at> in the generation hash of completed_at,
--- whose TTL runs to the end of the next generation — and its claim is deleted
--- from every claim generation, when the newest claim is absent, this owner's,
--- or another owner's with an expired lease. A key another owner holds with a
--- live lease is fenced: nothing is written for it. C-level calls per chunk and
--- hash (HMGET, HSET, HDEL), none per key.
+-- <key> = its value in the generation hash of completed_at, whose TTL runs to
+-- the end of the next generation — and its claim is deleted from every claim
+-- generation, when the newest claim is absent, this owner's, or another
+-- owner's with an expired lease. A key another owner holds with a live lease
+-- is fenced: nothing is written for it. C-level calls per chunk and hash
+-- (HMGET, HSET, HDEL), none per key. When no claim generation exists (a sink
+-- that takes no leases, or every claim already gone) the pairs go to HSET
+-- straight from ARGV: no Lua table is built for them.
 -- The watermark moves to max(wm, version) only if it exists for this window,
 -- wm >= version - 1 and no key of the bucket was fenced.
 --
@@ -50,69 +53,79 @@ local width = tonumber(window)
 if mode ~= 'end' and #ARGV > 9 then
   local tag = ARGV[1]
   local own = 'P|' .. ARGV[2] .. '|'
-  local at = tonumber(ARGV[5])
-  local tail = '|' .. ARGV[5]
   local n = (#ARGV - 9) / 2
-  local keys = {}
-  for j = 1, n do
-    keys[j] = ARGV[j + 9]
-  end
   local pwidth, span = string.match(ARGV[4], '^(%d+):(%d+)$')
   pwidth, span = tonumber(pwidth), tonumber(span)
   local pgen = math.floor(now / pwidth)
-  local hashes, held, found = {}, {}, {}
+  local hashes, found = {}, {}
+  local keys = nil  -- built only when some claim generation exists
   for i = 0, span do
     local hash = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
-    hashes[i + 1] = hash
-    local values = {}
     if present(hash) then
-      values = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
-    end
-    found[i + 1] = values
-    for j = 1, n do
-      if values[j] and not held[j] then
-        held[j] = values[j]
+      if keys == nil then
+        keys = {}
+        for j = 1, n do
+          keys[j] = ARGV[8 + 2 * j]
+        end
       end
+      hashes[#hashes + 1] = hash
+      found[#found + 1] = gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
     end
   end
-  local fields = {}
-  local mine_keys = {}
-  for j = 1, n do
-    local value = held[j]
-    local mine = true
-    if value and string.find(value, own, 1, true) ~= 1 then
-      local until_ms = tonumber(string.match(value, '^P|[^|]*|(%d+)|'))
-      if until_ms == nil then
-        return redis.error_reply('idem: unrecognised value of the claim of ' .. keys[j])
-      end
-      mine = until_ms <= now
-    end
-    if mine then
-      codes[j] = 'C'
-      fields[#fields + 1] = keys[j]
-      fields[#fields + 1] = ARGV[j + 9 + n] .. tail
-      mine_keys[j] = true
-    else
-      codes[j] = 'F'
-      fenced = true
-    end
-  end
-  local gen = math.floor(at / width)
+  local gen = math.floor(tonumber(ARGV[5]) / width)
   local px = (gen + 2) * width - now
-  if #fields > 0 and px > 0 then
-    local hash = declared(tag .. ':c:' .. window .. ':' .. gen)
-    sliced(fields, function(...) redis.call('HSET', hash, ...) end)
-    redis.call('PEXPIRE', hash, string.format('%d', px))
-  end
-  for i = 1, #hashes do
-    local drop = {}
+  local target = declared(tag .. ':c:' .. window .. ':' .. gen)
+  if keys == nil then
+    codes = {string.rep('C', n)}
+    if px > 0 then
+      for i = 10, #ARGV, SLICE do  -- SLICE is even: no pair is split
+        redis.call('HSET', target, unpack(ARGV, i, math.min(i + SLICE - 1, #ARGV)))
+      end
+      redis.call('PEXPIRE', target, string.format('%d', px))
+    end
+  else
+    local fields = {}
+    local mine_keys = {}
     for j = 1, n do
-      if mine_keys[j] and found[i][j] then
-        drop[#drop + 1] = keys[j]
+      local value = nil
+      for i = 1, #found do
+        value = found[i][j]
+        if value then
+          break
+        end
+      end
+      local mine = true
+      if value and string.find(value, own, 1, true) ~= 1 then
+        local until_ms = tonumber(string.match(value, '^P|[^|]*|(%d+)|'))
+        if until_ms == nil then
+          return redis.error_reply('idem: unrecognised value of the claim of ' .. keys[j])
+        end
+        mine = until_ms <= now
+      end
+      if mine then
+        codes[j] = 'C'
+        fields[#fields + 1] = keys[j]
+        fields[#fields + 1] = ARGV[9 + 2 * j]
+        mine_keys[j] = true
+      else
+        codes[j] = 'F'
+        fenced = true
       end
     end
-    if #drop > 0 then
-      sliced(drop, function(...) redis.call('HDEL', hashes[i], ...) end)
+    if #fields > 0 and px > 0 then
+      sliced(fields, function(...) redis.call('HSET', target, ...) end)
+      redis.call('PEXPIRE', target, string.format('%d', px))
+    end
+    for i = 1, #hashes do
+      local drop = {}
+      for j = 1, n do
+        if mine_keys[j] and found[i][j] then
+          drop[#drop + 1] = keys[j]
+        end
+      end
+      if #drop > 0 then
+        sliced(drop, function(...) redis.call('HDEL', hashes[i], ...) end)
+      end
     end
   end
 end
