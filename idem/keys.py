@@ -10,8 +10,17 @@ import hashlib
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from idem.errors import InvalidKey
+
+
+@dataclass(frozen=True, slots=True)
+class UnreadableKey:
+    """Stands for the key of a message it could not be read from (a body that is not
+    JSON, say): :func:`validate_key` refuses it, with ``why``."""
+
+    why: str
 
 
 def validate_key(value: object, *, field: str = "key", max_bytes: int = 512) -> str:
@@ -23,6 +32,10 @@ def validate_key(value: object, *, field: str = "key", max_bytes: int = 512) -> 
     """
     if value is None:
         raise InvalidKey(f"{field}: key is null", field=field, reason="null")
+    if isinstance(value, UnreadableKey):
+        raise InvalidKey(
+            f"{field}: cannot read the key: {value.why}", field=field, reason="undecodable"
+        )
     if isinstance(value, bytes | bytearray | memoryview):
         try:
             value = bytes(value).decode("utf-8")

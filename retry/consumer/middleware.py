@@ -52,7 +52,7 @@ from typing import Any
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError
-from idem.keys import fingerprints, group_by_bucket, valid_keys
+from idem.keys import UnreadableKey, fingerprints, group_by_bucket, valid_keys
 from idem.outcome import BatchClaim
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.group_claim import GroupClaimer
@@ -104,7 +104,10 @@ def key_getter(source: KeySource) -> Callable[[MessageExt], object]:
         path = source[len("body.") :].split(".")
 
         def from_body(message: MessageExt) -> object:
-            value: Any = json.loads(message.body)
+            try:
+                value: Any = json.loads(message.body)
+            except ValueError as exc:  # not JSON, or not UTF-8
+                raise ValueError(f"the body is not JSON ({exc})") from None
             for part in path:
                 value = value.get(part) if isinstance(value, dict) else None
             return value
@@ -226,8 +229,8 @@ class DedupMiddleware:
         for message in messages:
             try:
                 out.append(self._key_of(message))
-            except Exception:  # e.g. a body not JSON, or nested past the recursion limit
-                out.append(None)  # undecodable body: reported as a null key
+            except Exception as exc:  # e.g. a body not JSON, or nested past the recursion limit
+                out.append(UnreadableKey(str(exc) or type(exc).__name__))
         return out
 
     def _reserve(

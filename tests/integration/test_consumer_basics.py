@@ -420,6 +420,7 @@ def test_a_consume_call_that_raises_ends_in_the_dlq_and_the_queue_goes_on(
     mq = MessageQueue("orders", 0)
     deep = b'{"order_id": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     bodies = {"K0": b'{"order_id": "K0"}', "BOOM": b'{"order_id": "BOOM"}', "DEEP": deep}
+    bodies["NOTJSON"] = b"order_id=K2"
     bodies["K3"] = b'{"order_id": "K3"}'
     sent = [new_message("orders", body, keys=key) for key, body in bodies.items()]
     TopicStore(real_redis).put(mq, sent)
@@ -453,7 +454,7 @@ def test_a_consume_call_that_raises_ends_in_the_dlq_and_the_queue_goes_on(
     else:
         consumer.register_message_listener_concurrently(concurrently)
     consumers.append(consumer.start())
-    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 4, timeout=30)
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 5, timeout=30)
     letters = {}
     eventually(
         lambda: (
@@ -463,11 +464,16 @@ def test_a_consume_call_that_raises_ends_in_the_dlq_and_the_queue_goes_on(
                     for d in DeadLetterTable(config.resolved_dlq_path, config.group).list()
                 }
             )
-            or set(letters) == {"BOOM", "DEEP"}
+            or set(letters) == {"BOOM", "DEEP", "NOTJSON"}
         ),
         timeout=30,
-        what="both poison messages dead-lettered",
+        what="the three poison messages dead-lettered",
     )
     assert sorted(set(got)) == ["K0", "K3"]
     assert "RuntimeError: boom" in (letters["BOOM"].last_error or "")
-    assert "body.order_id" in (letters["DEEP"].last_error or "")
+    assert "body.order_id: cannot read the key: maximum recursion depth" in (
+        letters["DEEP"].last_error or ""
+    )
+    assert "body.order_id: cannot read the key: the body is not JSON" in (
+        letters["NOTJSON"].last_error or ""
+    )

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
 from idem.errors import ConfigError, InvalidKey
-from idem.keys import bucket_of, fingerprint, group_by_bucket, validate_key
+from idem.keys import UnreadableKey, bucket_of, fingerprint, group_by_bucket, validate_key
 
 pytestmark = pytest.mark.unit
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.unit
         (3, "not_text"),
         (b"\xc3", "undecodable"),
         ("ORDER_\ud800", "undecodable"),  # a lone surrogate (JSON's "\ud800") cannot be sent
+        (UnreadableKey("the body is not JSON"), "undecodable"),  # says why, not "null"
     ],
 )
 def test_bad_keys_are_named(value: object, reason: str) -> None:
