@@ -221,6 +221,8 @@ class DedupMiddleware:
         """Keys reserved by this instance's calls, and when (ms): renewed while held."""
         self._closed = threading.Event()
         self._renewer: threading.Thread | None = None
+        self._users = 0
+        """Consumers started with this layer and not stopped since (see :meth:`close`)."""
 
     def _raw_keys(self, messages: Sequence[MessageExt]) -> list[object]:
         if self._attribute is not None:  # reading an attribute cannot fail
@@ -304,9 +306,20 @@ class DedupMiddleware:
         """Commit what is queued now and wait for it (a consumer's shutdown calls this)."""
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
 
+    def open(self) -> None:
+        """A consumer starts with this layer (its shutdown or kill calls :meth:`close`)."""
+        with self._lock:
+            self._users += 1
+
     def close(self) -> None:
-        """Stop renewing leases now (a consumer's shutdown and kill call this; the next
-        consume call starts the renewal again)."""
+        """A consumer using this layer stopped (its shutdown or kill): stop renewing leases
+        once no consumer that started with it is running (a stopped or crashed
+        instance's leases must run out; another one's calls still hold theirs). The
+        next consume call starts the renewal again."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
         self._closed.set()
 
     def _start_renewer(self) -> None:

@@ -595,6 +595,7 @@ class PushConsumer:
             self.schedule_service = self.engine.schedule_service(
                 max_idle_ms=200, name=f"{self.client_id}-schedule"
             ).start()
+        self._open_middleware()
         self._started = True
         log.info("%s: started (group %s, %s)", self.client_id, self.group, s.message_model)
         return self
@@ -656,6 +657,14 @@ class PushConsumer:
             except Exception:
                 log.warning("%s: flushing %r failed", self.client_id, layer, exc_info=True)
         self._close_middleware()
+
+    def _open_middleware(self) -> None:
+        """Tell the layers with threads of their own that this consumer uses them (one
+        layer may serve several consumers: it stops when the last one does)."""
+        for layer in self._middleware:
+            open_ = getattr(layer, "open", None)
+            if open_ is not None:
+                open_()
 
     def _close_middleware(self) -> None:
         """Stop the layers' own threads (idem's lease renewal: a stopped or crashed

@@ -72,3 +72,39 @@ def test_a_listener_keeps_its_key_past_the_lease_until_the_consume_timeout(
     call.join(10)
     assert hook.stats.completed == 1
     eventually(lambda: not _renewers(hook), timeout=5, what="the renewal thread ended")
+
+
+def test_a_hook_shared_by_two_consumers_renews_until_the_last_one_stops(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """One hook serves two consumers (each ``open``s it at start): when one stops, the
+    other's call still holds its key past the lease; when both have stopped, renewal
+    stops and the key goes a lease later (a stopped instance's leases run out)."""
+    config = IdemConfig(
+        group="shared",
+        redis_url=redis_server.url,
+        data_dir=str(tmp_path),
+        buckets=4,
+        lease_ms=1000,
+        consume_timeout_ms=60_000,
+    )
+    hook = DedupMiddleware(Dedup(config))
+    hook.open()
+    hook.open()
+    other = Dedup(config)
+    message = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}")
+    scope = ConsumeScope(
+        mq=MessageQueue("orders", 0), client_id="c1", orderly=False, defer_acks=False
+    )
+    call = threading.Thread(target=hook, args=([message], scope, _slow(4.0)))
+    call.start()
+    eventually(lambda: _renewers(hook), timeout=2, what="the renewal thread started")
+    hook.close()  # the first consumer stops; the call belongs to the other one
+    grouped = group_by_bucket(["ORDER-1"], 4)
+    time.sleep(1.6)  # past the first lease: held only if renewed
+    assert other.hot.claim(grouped, "other", min_version=-1).busy == ["ORDER-1"]
+    hook.close()  # the second one stops too: nothing renews any more
+    eventually(lambda: not _renewers(hook), timeout=2, what="the renewal thread ended")
+    time.sleep(1.1)  # one more lease
+    assert other.hot.claim(grouped, "other", min_version=-1).claimed == ["ORDER-1"]
+    call.join(10)
