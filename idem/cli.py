@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
+import redis
+
 from idem.errors import IdemError
 
 LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli")
@@ -27,6 +29,31 @@ class _Registrar(Protocol):
 
 Handler = Callable[[argparse.Namespace], int]
 """A subcommand: sets ``func`` with ``parser.set_defaults(func=...)`` and returns an exit code."""
+
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+_EXPLAINED = (IdemError, redis.RedisError)
+"""Failures whose message says what went wrong: logged without their traceback (``-v``
+shows it); any other exception is a bug, and its traceback is what a report needs."""
+
+
+class _Formatter(logging.Formatter):
+    """One line per record: an explained failure's traceback becomes its type and message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, _EXPLAINED):
+            record = logging.makeLogRecord(
+                {
+                    **record.__dict__,
+                    "msg": f"{record.getMessage()} ({type(error).__name__}: {error})",
+                    "args": None,
+                    "exc_info": None,
+                    "exc_text": None,
+                }
+            )
+        return super().format(record)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,10 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``idem`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter((logging.Formatter if args.verbose else _Formatter)(_LOG_FORMAT))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     func = cast("Handler | None", getattr(args, "func", None))
     if func is None:
         parser.print_help()

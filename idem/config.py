@@ -17,6 +17,7 @@ from typing import Any
 
 from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
 from idem.errors import ConfigError
+from idem.redis_client import redis_url_problem
 
 _GROUP = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)?$")
@@ -24,6 +25,10 @@ _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 MINUTE_MS = 60_000
 DAY_MS = 86_400_000
+
+MAX_DURATION_MS = 36_500 * DAY_MS
+"""The longest duration :func:`parse_duration_ms` takes (100 years): far past any window,
+lease or retention idem has, and short enough that *now* minus it is still a date."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """RocketMQ's ``maxMessageSize`` (4 MiB): the largest message the resend path schedules."""
@@ -64,7 +69,13 @@ def parse_duration_ms(value: str | int | float, *, setting: str) -> int:
             f"{setting}: {value!r} is not a duration; use a whole number with an "
             "optional unit ms, s, m, h or d (e.g. '5m', '7d'); no unit means ms"
         )
-    return int(match.group(1)) * _UNIT_MS[match.group(2) or "ms"]
+    ms = int(match.group(1)) * _UNIT_MS[match.group(2) or "ms"]
+    if ms > MAX_DURATION_MS:
+        raise ConfigError(
+            f"{setting}: {value!r} is longer than the longest duration idem takes, "
+            f"{MAX_DURATION_MS // DAY_MS}d"
+        )
+    return ms
 
 
 def _format_ms(ms: int) -> str:
@@ -121,13 +132,9 @@ class IdemConfig:
                 f"group: {self.group!r} must be 1..200 characters of letters, digits, "
                 "'_', '.', '-' (it becomes part of Redis hash tags and Delta paths)"
             )
-        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
-            ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
-        ):
-            raise ConfigError(
-                f"redis_url: {self.redis_url!r} must start with redis://, rediss://, unix:// "
-                "or (a Redis Cluster, by any node) redis+cluster://, rediss+cluster://"
-            )
+        url_problem = redis_url_problem(self.redis_url)
+        if url_problem is not None:
+            raise ConfigError(f"redis_url: {url_problem}")
         _check_range("buckets", self.buckets, 1, 1024)
         _check_range("max_key_bytes", self.max_key_bytes, 1, 65_536)
         _check_range("lease_ms", self.lease_ms, 1_000, 7 * DAY_MS)

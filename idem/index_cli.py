@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+from idem.cli_args import redis_url
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
@@ -83,7 +84,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         parser = commands.add_parser(name, help=help_text)
         parser.add_argument("--group", help="consumer group (IDEM_GROUP)")
-        parser.add_argument("--redis-url", help="Redis holding the index (IDEM_REDIS_URL)")
+        parser.add_argument(
+            "--redis-url", type=redis_url, help="Redis holding the index (IDEM_REDIS_URL)"
+        )
         parser.add_argument("--data-dir", help="where the group's tables live (IDEM_DATA_DIR)")
         parser.add_argument("--ledger-path", help="the ledger table (IDEM_LEDGER_PATH)")
         return parser

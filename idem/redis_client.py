@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
-from urllib.parse import urlsplit, urlunsplit
+import re
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
@@ -18,6 +20,74 @@ log = logging.getLogger(__name__)
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """URL schemes that name a Redis Cluster (any node of it), and the scheme redis-py gets."""
+
+URL_SCHEMES = ("redis", "rediss", "unix", *CLUSTER_SCHEMES)
+"""Every scheme :func:`connect` takes."""
+
+PORT_RANGE = (1, 65535)
+"""TCP ports a Redis URL may name (port 0 would silently mean redis-py's default, 6379)."""
+
+_NUMBER = re.compile(r"-?[0-9]+")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def redis_url_problem(url: object) -> str | None:
+    """What is wrong with ``url`` as a Redis URL for :func:`connect`, or ``None``.
+
+    Checked before any connection: the scheme, the port (a number in
+    :data:`PORT_RANGE`), the database in the path (a whole number; a Cluster has only 0),
+    a ``unix://`` socket path, and the query arguments redis-py reads. The answer
+    names the part and the limit, never the password.
+    """
+    if not isinstance(url, str):
+        return f"expected a URL string, got {type(url).__name__}"
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in URL_SCHEMES:
+        return (
+            f"{redacted(url)!r} must start with redis://, rediss://, unix:// or (a Redis "
+            "Cluster, by any node) redis+cluster://, rediss+cluster://"
+        )
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        return f"{redacted(url)!r} is not a valid URL ({exc})"
+    problem = _unix_problem(parts) if scheme == "unix" else _tcp_problem(parts)
+    return problem or _options_problem(scheme, rest)
+
+
+def _tcp_problem(parts: SplitResult) -> str | None:
+    host_port = parts.netloc.rpartition("@")[2]
+    if host_port.startswith("["):  # [IPv6]:port
+        host_port = host_port.partition("]")[2]
+    _, sep, port = host_port.partition(":")  # the split urllib makes
+    if sep and port:
+        if _NUMBER.fullmatch(port) is None:
+            return f"port {port!r} is not a number"
+        low, high = PORT_RANGE
+        if port.startswith("-") or not low <= int(port) <= high:
+            return f"port {int(port)} is out of range {low}-{high}"
+    database = parts.path.strip("/")
+    if database and _DIGITS.fullmatch(database) is None:
+        return f"database {database!r} (the URL's path) is not a whole number, e.g. /0"
+    return None
+
+
+def _options_problem(scheme: str, rest: str) -> str | None:
+    """What redis-py makes of the URL: its query arguments, a Cluster's database."""
+    plain = f"{CLUSTER_SCHEMES.get(scheme, scheme)}://{rest}"
+    try:
+        options = parse_url(plain)  # type: ignore[no-untyped-call]
+    except ValueError as exc:  # a query argument redis-py cannot read, e.g. ?db=x
+        return str(exc).rstrip(".")
+    if scheme in CLUSTER_SCHEMES and options.get("db", 0) != 0:
+        return f"a Redis Cluster has only database 0, the URL names {options['db']}"
+    return None
+
+
+def _unix_problem(parts: SplitResult) -> str | None:
+    if not parts.path:
+        return "a unix:// URL needs the socket's path, e.g. unix:///run/redis/redis.sock"
+    return None
 
 
 def connect(
@@ -30,14 +100,13 @@ def connect(
     up after ``retries`` quick reconnect attempts, a 5 s connect and a 30 s read
     timeout (by default), so an unreachable Redis surfaces as an error instead of a
     hang (a Cluster client reads the slot map at once, so an unreachable Cluster
-    raises here).
+    raises here). A malformed URL is a :class:`ConfigError` saying what is wrong.
     """
+    problem = redis_url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"redis_url: {problem}")
     scheme, sep, rest = url.partition("://")
     if sep and scheme in CLUSTER_SCHEMES:
-        if rest.partition("/")[2] not in ("", "0"):
-            raise ConfigError(
-                f"redis_url: a Redis Cluster has only database 0, the URL names {rest!r}"
-            )
         return RedisCluster.from_url(
             f"{CLUSTER_SCHEMES[scheme]}://{rest}",
             socket_timeout=read_timeout,
@@ -101,8 +170,14 @@ def _check_one(client: redis.Redis) -> None:
 
 def redacted(url: str) -> str:
     """``url`` with its password replaced by ``***``, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL urllib can split: hide whatever precedes an '@'
+        scheme, sep, rest = url.rpartition("://")
+        _, at, host = rest.rpartition("@")
+        return f"{scheme}{sep}***@{host}" if at else url
+    if password is None:
         return url
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]

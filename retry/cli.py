@@ -22,6 +22,7 @@ from dataclasses import asdict
 from types import FrameType
 from typing import Any
 
+from idem.cli_args import check_not_a_file, path_flag, positive_int, redis_url
 from idem.config import IdemConfig
 from idem.redis_client import redacted
 from idem.retry.engine import RetryEngine
@@ -43,7 +44,9 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         required=not os.environ.get("IDEM_GROUP"),
         help="consumer group (default: IDEM_GROUP)",
     )
-    parser.add_argument("--redis-url", help="redis:// or rediss:// URL (IDEM_REDIS_URL)")
+    parser.add_argument(
+        "--redis-url", type=redis_url, help="redis:// or rediss:// URL (IDEM_REDIS_URL)"
+    )
     parser.add_argument("--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
     parser.add_argument("--data-dir", help="where the group's Delta tables live by default")
     parser.add_argument("--journal-path", help="the retry journal's Delta table")
@@ -56,7 +59,11 @@ def _config(args: argparse.Namespace) -> IdemConfig:
         for attr, setting in _CONFIG_OPTIONS.items()
         if getattr(args, attr, None) is not None
     }
-    return IdemConfig.from_env(**overrides)
+    config = IdemConfig.from_env(**overrides)
+    # a file where a Delta table belongs fails deep in delta-rs with a bare OSError
+    check_not_a_file(config.resolved_journal_path, name=path_flag(args, "journal_path"))
+    check_not_a_file(config.resolved_dlq_path, name=path_flag(args, "dlq_path"))
+    return config
 
 
 def _schedule(args: argparse.Namespace) -> int:
@@ -153,11 +160,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     _add_config_options(schedule)
     schedule.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="messages moved per Lua call"
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        help="messages moved per Lua call",
     )
     schedule.add_argument(
         "--max-idle-ms",
-        type=int,
+        type=positive_int,
         default=DEFAULT_MAX_IDLE_MS,
         help="longest wait without looking at the queues",
     )

@@ -13,8 +13,17 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pyspark.errors import IllegalArgumentException
+
+from idem.cli_args import (
+    check_not_a_file,
+    check_writable_dir,
+    check_writable_file,
+    path_flag,
+    redis_url,
+)
 from idem.config import IdemConfig
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 from idem.retry.dlq import DeadLetterStatus
@@ -30,8 +39,19 @@ from idem.spark.dlq import (
     progress_bar,
     replay,
 )
-from idem.spark.run import Pipeline, RunSpec, check_redis, print_report, report_json
+from idem.spark.run import (
+    Pipeline,
+    RunSpec,
+    check_redis,
+    check_source,
+    load_sink_fn,
+    print_report,
+    report_json,
+)
 from idem.spark.session import local_session
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -64,7 +84,7 @@ def _add_config_options(parser: argparse.ArgumentParser, *, group_required: bool
         required=group_required and not os.environ.get("IDEM_GROUP"),
         help="consumer group (default: IDEM_GROUP)",
     )
-    parser.add_argument("--redis-url", help="redis:// URL (IDEM_REDIS_URL)")
+    parser.add_argument("--redis-url", type=redis_url, help="redis:// URL (IDEM_REDIS_URL)")
     parser.add_argument("--data-dir", help="where the group's Delta tables live (IDEM_DATA_DIR)")
     parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
     parser.add_argument("--journal-path", help="the retry journal's Delta table")
@@ -97,6 +117,8 @@ def _config(args: argparse.Namespace, **extra: Any) -> IdemConfig:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.workdir:  # an empty one means the default, a new temporary directory
+        check_writable_dir(args.workdir, name="--workdir")
     result = run_demo(
         args.workdir,
         delay_levels=args.delay_levels,
@@ -131,15 +153,17 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not Path(args.source).is_dir():
-        raise ConfigError(f"--source: directory {args.source} does not exist")
+    check_source(args.source)
     if not args.sink_delta and not args.sink_fn:
         raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
     spec = run_spec(args)  # a bad argument is exit 2 before anything starts
     config = _config(args)
+    _check_run_paths(args, spec, config)
+    sink_fn = load_sink_fn(spec.sink_fn) if spec.sink_fn else None  # before a JVM starts
+    conf = _spark_conf(args.spark_conf)
     client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
-    session = local_session(f"idem-run-{config.group}", conf=_spark_conf(args.spark_conf))
-    pipeline = Pipeline(session, config, spec, client=client)
+    session = _session(f"idem-run-{config.group}", conf)
+    pipeline = Pipeline(session, config, spec, client=client, sink_fn=sink_fn)
     try:
         report = pipeline.run()
     finally:
@@ -150,6 +174,34 @@ def _run(args: argparse.Namespace) -> int:
     if args.check and report.sink is not None and not report.sink.exactly_once:
         return EXIT_CHECK_FAILED
     return EXIT_OK
+
+
+def _check_run_paths(args: argparse.Namespace, spec: RunSpec, config: IdemConfig) -> None:
+    """Every place ``idem run`` writes takes writes, before Redis or Spark is touched: a
+    Delta table or checkpoint that cannot be written fails deep in a streaming batch."""
+    if spec.sink_delta:
+        check_writable_dir(spec.sink_delta, name="--sink-delta")
+    for setting, path in (
+        ("checkpoint", spec.checkpoint_dir(config)),
+        ("dlq_path", config.resolved_dlq_path),
+        ("journal_path", config.resolved_journal_path),
+    ):
+        check_writable_dir(path, name=path_flag(args, setting))
+    if args.report_json:
+        check_writable_file(args.report_json, name="--report-json")
+
+
+def _session(name: str, conf: dict[str, str]) -> SparkSession:
+    """The local session, its ``--spark-conf`` settings checked by Spark itself."""
+    session = local_session(name, conf=conf)
+    if conf:
+        try:
+            # reading a SQL setting builds the session state, which checks every setting
+            session.conf.get("spark.sql.shuffle.partitions")
+        except IllegalArgumentException as exc:
+            session.stop()
+            raise ConfigError(f"--spark-conf: {str(exc).splitlines()[0]}") from None
+    return session
 
 
 def _spark_conf(pairs: list[str] | None) -> dict[str, str]:
@@ -167,6 +219,9 @@ def _spark_conf(pairs: list[str] | None) -> dict[str, str]:
 
 def _engine(args: argparse.Namespace) -> RetryEngine:
     config = _config(args)
+    # a file where a Delta table belongs fails deep in delta-rs with a bare OSError
+    check_not_a_file(config.resolved_dlq_path, name=path_flag(args, "dlq_path"))
+    check_not_a_file(config.resolved_journal_path, name=path_flag(args, "journal_path"))
     return RetryEngine(config, client=check_redis(config.redis_url))
 
 

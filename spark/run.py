@@ -167,28 +167,55 @@ class RunReport:
         return out
 
 
+def check_source(source: str) -> None:
+    """``--source`` names a directory (an empty path would be the working directory)."""
+    if not source:
+        raise ConfigError("--source: the path is empty; name the directory of JSON-lines files")
+    if Path(source).is_file():
+        raise ConfigError(f"--source: {source} is a file, not a directory of JSON-lines files")
+    if not Path(source).is_dir():
+        raise ConfigError(f"--source: directory {source} does not exist")
+
+
 def load_sink_fn(spec: str) -> SinkFunction:
-    """``module:function`` or ``path/to/file.py:function`` -> the function."""
+    """``module:function`` or ``path/to/file.py:function`` -> the function.
+
+    Whatever stops the module from loading (not found, a syntax error, an exception
+    its top level raises) is a :class:`ConfigError` naming ``--sink-fn``.
+    """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ConfigError(f"--sink-fn: {spec!r} must look like module:function or file.py:function")
+    module_spec = None
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise ConfigError(f"--sink-fn: file {target} does not exist")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ConfigError(f"--sink-fn: cannot load {target}")
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise ConfigError(f"--sink-fn: file {target} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None:
-                raise ConfigError(f"--sink-fn: cannot load {target}")
+        if module_spec is not None and module_spec.loader is not None:
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
     except ImportError as exc:
         raise ConfigError(f"--sink-fn: cannot import {target!r}: {exc}") from exc
+    except SyntaxError as exc:
+        where = f"{Path(exc.filename).name}, line {exc.lineno}" if exc.filename else target
+        raise ConfigError(f"--sink-fn: cannot load {target!r}: {exc.msg} ({where})") from exc
+    except Exception as exc:  # the module's own code failed at import: say so, in one line
+        raise ConfigError(
+            f"--sink-fn: importing {target!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     fn = getattr(module, name, None)
-    if not callable(fn):
+    if fn is None:
         raise ConfigError(f"--sink-fn: {target!r} has no function {name!r}")
+    if not callable(fn):
+        raise ConfigError(
+            f"--sink-fn: {name!r} in {target!r} is not callable (its type is {type(fn).__name__})"
+        )
     return fn  # type: ignore[no-any-return]
 
 
@@ -235,8 +262,7 @@ class Pipeline:
             raise ConfigError(
                 "a sink is required: --sink-delta PATH and/or --sink-fn module:function"
             )
-        if not Path(spec.source).is_dir():
-            raise ConfigError(f"--source: directory {spec.source} does not exist")
+        check_source(spec.source)
         self.spark = spark
         self.config = config
         self.spec = spec
@@ -265,11 +291,12 @@ class Pipeline:
         schema = source_schema(
             self.spark, source=spec.source, ddl=spec.schema, checkpoint=self.checkpoint
         )
-        if self.spec.key not in schema.fieldNames():
-            raise ConfigError(
-                f"--key: the source rows have no field {self.spec.key!r} "
-                f"(fields: {', '.join(schema.fieldNames())})"
-            )
+        for flag, name in (("--key", spec.key), ("--msg-id-field", spec.msg_id_field)):
+            if name is not None and name not in schema.fieldNames():
+                raise ConfigError(
+                    f"{flag}: the source rows have no field {name!r} "
+                    f"(fields: {', '.join(schema.fieldNames())})"
+                )
         rows = file_rows(
             self.spark,
             schema,
