@@ -35,6 +35,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0 (a retention in hours)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def path_flag(args: argparse.Namespace, setting: str) -> str:
     """The name to blame for a resolved path setting (``dlq_path``): its own flag when
     given (``--dlq-path``), else ``--data-dir`` it defaults under, else the setting itself

@@ -12,6 +12,7 @@ import argparse
 import json
 from typing import Any
 
+from idem.cli_args import non_negative_int
 from idem.clock import SYSTEM_CLOCK
 from idem.config import IdemConfig, parse_duration_ms
 from idem.errors import ConfigError
@@ -88,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     expire.add_argument("--older-than", required=True, help="e.g. 30d (keep the dedup window)")
     expire.add_argument(
         "--vacuum-retention-hours",
-        type=int,
+        type=non_negative_int,
         default=168,
         help="keep unreferenced files this long for readers still on old versions (168)",
     )

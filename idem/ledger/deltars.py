@@ -533,6 +533,11 @@ class DeltaLedger:
         Vacuum removes unreferenced files older than ``vacuum_retention_hours``
         (keep it above the longest reader; the Delta default is 168).
         """
+        if vacuum_retention_hours < 0:  # checked before anything is deleted
+            raise ConfigError(
+                f"vacuum_retention_hours: {vacuum_retention_hours} must be >= 0 (168 keeps "
+                "the files readers on versions of the past week still need)"
+            )
         cutoff = date_of_ms(older_than_ms).isoformat()
 
         def attempt() -> int:

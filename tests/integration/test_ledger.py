@@ -21,6 +21,7 @@ from deltalake import DeltaTable, QueryBuilder, write_deltalake
 from idem.cli import main as cli_main
 from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
+from idem.errors import ConfigError
 from idem.keys import bucket_of
 from idem.ledger import DeltaLedger, Ledger, conform, deltars, make_rows, spark_delta_session
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
@@ -534,6 +535,17 @@ def test_expire_drops_old_days_and_keeps_the_rest(tmp_path: Path, clock: ManualC
     assert ledger_keys(ledger) == ["mid", "new"]
     assert not any(f.exists() for f in old_files)  # vacuumed, not just unlinked from the log
     assert ledger.expire(clock.now_ms() - 7 * DAY_MS, vacuum_retention_hours=0) == 0
+
+
+def test_expire_refuses_a_negative_vacuum_retention_before_deleting(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    ledger = DeltaLedger(str(tmp_path / "ledger"), clock=clock)
+    commit(ledger, ["old"], clock, txn=0)
+    clock.advance(9 * DAY_MS / 1000)
+    with pytest.raises(ConfigError, match=r"^vacuum_retention_hours: -1 must be >= 0"):
+        ledger.expire(clock.now_ms() - 7 * DAY_MS, vacuum_retention_hours=-1)
+    assert ledger_keys(ledger) == ["old"]  # nothing deleted
 
 
 def test_a_sink_table_that_is_its_own_ledger_keeps_the_user_columns(

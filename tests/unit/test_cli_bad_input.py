@@ -208,6 +208,17 @@ def test_a_duration_past_a_century_is_refused_naming_the_flag(
     )
 
 
+def test_a_negative_vacuum_retention_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It was a ``ValueError`` traceback from delta-rs, after the old days were deleted."""
+    argv = ["ledger", "expire", "--group", "g", "--data-dir", str(tmp_path), "--older-than"]
+    code, err = _exit(capsys, [*argv, "30d", "--vacuum-retention-hours", "-1"])
+    assert code == 2
+    assert "argument --vacuum-retention-hours: '-1' is not a whole number >= 0" in err
+    assert "Traceback" not in err
+
+
 def test_a_century_is_the_longest_duration() -> None:
     assert parse_duration_ms("36500d", setting="x") == 36_500 * 86_400_000
     with pytest.raises(ConfigError, match=r"^x: '36501d' is longer .* 36500d$"):
