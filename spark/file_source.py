@@ -9,6 +9,7 @@ keeps its text in ``_idem_raw_body`` and says why in ``_idem_malformed``:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
@@ -31,18 +32,28 @@ that only waits for retries."""
 
 
 def source_schema(
-    spark: SparkSession, *, source: str, ddl: str | None, checkpoint: str
+    spark: SparkSession,
+    *,
+    source: str,
+    ddl: str | None,
+    checkpoint: str,
+    fields: Mapping[str, str | None] | None = None,
 ) -> StructType:
     """The rows' schema: ``ddl`` (``--schema``), else the one kept in the checkpoint, else
-    inferred from the files in ``source``."""
+    inferred from the files in ``source``. ``fields`` (``{flag: field name}``) must be
+    in it: a schema is kept only once they are, so a restart never inherits one
+    inferred from files that lacked them (e.g. files with no rows yet)."""
     kept = Path(checkpoint) / SCHEMA_FILE
     if ddl:
         try:
             schema = schema_from_ddl(ddl)
         except SerializationError as exc:
             raise ConfigError(f"--schema: {str(exc).removeprefix('schema: ')}") from None
+        _require(schema, fields, where="the schema given with --schema")
     elif kept.is_file():
-        return schema_from_json(kept.read_text(encoding="utf-8"))
+        schema = schema_from_json(kept.read_text(encoding="utf-8"))
+        _require(schema, fields, where=f"the schema kept in {kept}")
+        return schema
     else:
         files = [p for p in Path(source).iterdir() if not p.name.startswith((".", "_"))]
         if not any(p.is_file() for p in files):
@@ -53,9 +64,25 @@ def source_schema(
         corrupt = "_corrupt_record"
         if corrupt in schema.fieldNames():
             schema = StructType([f for f in schema.fields if f.name != corrupt])
+        if not schema.fields:
+            raise ConfigError(
+                f"--source: the files in {source} hold no JSON object to infer the schema "
+                "from (empty, or not JSON); pass --schema, or add rows first"
+            )
+        _require(schema, fields, where=f"the rows of the files in {source}")
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_text(schema.json(), encoding="utf-8")
     return schema
+
+
+def _require(schema: StructType, fields: Mapping[str, str | None] | None, *, where: str) -> None:
+    """Every named field is in ``schema``, else a :class:`ConfigError` naming its flag."""
+    names = schema.fieldNames()
+    for flag, name in (fields or {}).items():
+        if name is not None and name not in names:
+            raise ConfigError(
+                f"{flag}: no field {name!r} in {where} (fields: {', '.join(names) or 'none'})"
+            )
 
 
 def file_rows(

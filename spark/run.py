@@ -289,14 +289,12 @@ class Pipeline:
         ``new_files=False`` lets the file source take no file (retries only)."""
         spec = self.spec
         schema = source_schema(
-            self.spark, source=spec.source, ddl=spec.schema, checkpoint=self.checkpoint
+            self.spark,
+            source=spec.source,
+            ddl=spec.schema,
+            checkpoint=self.checkpoint,
+            fields={"--key": spec.key, "--msg-id-field": spec.msg_id_field},
         )
-        for flag, name in (("--key", spec.key), ("--msg-id-field", spec.msg_id_field)):
-            if name is not None and name not in schema.fieldNames():
-                raise ConfigError(
-                    f"{flag}: the source rows have no field {name!r} "
-                    f"(fields: {', '.join(schema.fieldNames())})"
-                )
         rows = file_rows(
             self.spark,
             schema,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 
 from idem.cli import main
@@ -169,3 +170,36 @@ def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
         main(["dlq", "ls", "--group", "g", "--limit", limit])
     assert exit_.value.code == 2
     assert f"--limit: {limit!r} is not a whole number >= 0" in capsys.readouterr().err
+
+
+def test_files_with_no_rows_or_no_key_field_leave_no_schema_behind(
+    spark: SparkSession,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A first run on empty files, or on rows that lack --key, is exit 2 saying so, and
+    keeps no schema in the checkpoint: the run after rows arrive infers it from them
+    (a kept empty schema refused every later run, however the files changed)."""
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "a.json").write_text("\n", encoding="utf-8")
+    common = [
+        "run", "--source", str(source), "--key", "order_id", "--redis-url", redis_server.url,
+        "--data-dir", str(tmp_path / "data"), "--group", "late-rows",
+        "--sink-delta", str(tmp_path / "sink"), "--available-now",
+    ]  # fmt: skip
+    code, err = _run(capsys, *common)
+    assert code == 2
+    assert "--source: the files in" in err
+    assert "hold no JSON object" in err
+    (source / "b.json").write_text('{"id": "X"}\n', encoding="utf-8")
+    code, err = _run(capsys, *common)
+    assert code == 2
+    assert "--key: no field 'order_id' in the rows of the files in" in err
+    (source / "b.json").unlink()
+    (source / "c.json").write_text('{"order_id": "A", "amount": 1}\n', encoding="utf-8")
+    code, err = _run(capsys, *common)
+    assert code == 0, err
+    stored = DeltaTable(str(tmp_path / "sink")).to_pyarrow_table(columns=["order_id"])
+    assert stored.column("order_id").to_pylist() == ["A"]
