@@ -9,9 +9,11 @@ resolved its settings, before it touches Redis, Delta or Spark, and raise
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
+from idem.config import IdemConfig
 from idem.errors import ConfigError
 from idem.redis_client import redis_url_problem
 
@@ -44,6 +46,20 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
     return value
+
+
+def with_ledger_buckets(config: IdemConfig) -> IdemConfig:
+    """``config`` with the bucket count its ledger was created with, unless ``IDEM_BUCKETS``
+    sets one: a command that looks after an existing ledger needs no setting the ledger
+    itself records (a wrong one would be refused; see ``LedgerIdentity``)."""
+    if "IDEM_BUCKETS" in os.environ:
+        return config
+    from idem.ledger.deltars import recorded_identity  # noqa: PLC0415 -- delta-rs is heavy
+
+    found = recorded_identity(config.resolved_ledger_path)
+    if found is None or found.buckets == config.buckets:
+        return config
+    return config.with_changes(buckets=found.buckets)
 
 
 def path_flag(args: argparse.Namespace, setting: str) -> str:

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from idem.cli_args import redis_url
+from idem.cli_args import redis_url, with_ledger_buckets
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
@@ -26,7 +26,7 @@ def _dedup(args: argparse.Namespace) -> tuple[Dedup, RedisHotStore]:
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
-    config = IdemConfig.from_env(**overrides)
+    config = with_ledger_buckets(IdemConfig.from_env(**overrides))
     hot = RedisHotStore.from_config(config)
     return Dedup(config, hot=hot), hot
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from idem.cli_args import non_negative_int
+from idem.cli_args import non_negative_int, with_ledger_buckets
 from idem.clock import SYSTEM_CLOCK
 from idem.config import IdemConfig, parse_duration_ms
 from idem.errors import ConfigError
@@ -25,7 +25,7 @@ def _config(args: argparse.Namespace) -> IdemConfig:
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
-    return IdemConfig.from_env(**overrides)
+    return with_ledger_buckets(IdemConfig.from_env(**overrides))
 
 
 def _version(args: argparse.Namespace) -> int:

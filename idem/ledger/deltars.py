@@ -96,6 +96,18 @@ it up again; skipping that halves the write of a 100k-row batch (``bench/spark_b
 _INDEX_FILE_COLUMNS = ("key", "fingerprint", "completed_at")
 
 
+def recorded_identity(
+    uri: str, *, storage_options: dict[str, str] | None = None
+) -> LedgerIdentity | None:
+    """The group and bucket count the ledger at ``uri`` was created with (``None``: no
+    table there, or one older than that record)."""
+    try:
+        table = DeltaTable(uri, storage_options=storage_options)
+    except TableNotFoundError:
+        return None
+    return LedgerIdentity.of(table.metadata().description)
+
+
 class _HistoryGone(Exception):
     """A commit or data file needed for an incremental read was cleaned up."""
 

@@ -58,3 +58,30 @@ def test_rebuild_warms_a_flushed_redis_before_traffic(
     assert (again["rebuilt_buckets"], again["caught_up_keys"]) == (0, 0)  # nothing missing
     code, [forced] = _run(capsys, "index", "rebuild", "--all", *common)
     assert (forced["rebuilt_buckets"], forced["rebuilt_keys"]) == (config.buckets, 500)
+
+
+def test_the_maintenance_commands_take_the_bucket_count_the_ledger_records(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group with 4 buckets (not the default 16): ``idem index`` and ``idem ledger`` work
+    with no IDEM_BUCKETS, and the rebuilt index answers the group's own claims."""
+    monkeypatch.delenv("IDEM_BUCKETS", raising=False)
+    config = IdemConfig(group="four", redis_url=redis_server.url, data_dir=str(tmp_path), buckets=4)
+    keys = [f"ORDERID_{n}" for n in range(200)]
+    dd = Dedup(config)
+    dd.complete(dd.begin(keys, owner="batch-1"), batch_id=1, app_id="test")
+    common = ("--group", "four", "--data-dir", str(tmp_path))
+
+    code, [version] = _run(capsys, "ledger", "version", *common)
+    assert code == 0
+    assert version["version"] == 0
+    real_redis.flushall()
+    code, [report] = _run(capsys, "index", "rebuild", "--redis-url", redis_server.url, *common)
+    assert code == 0
+    assert (report["rebuilt_buckets"], report["rebuilt_keys"]) == (4, 200)
+    claim = Dedup(config).begin(keys, owner="batch-2")
+    assert len(claim.duplicates) == 200
