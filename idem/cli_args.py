@@ -87,6 +87,17 @@ def check_not_a_file(path: str, *, name: str) -> None:
         raise ConfigError(f"{name}: {path} is a file, not a directory")
 
 
+def check_table_path(path: str, *, name: str) -> None:
+    """A table to read: not a file, nor under one (a missing table under a file would
+    read as "no table yet", and a command would answer as if all were well)."""
+    check_not_a_file(path, name=name)
+    if _is_uri(path):
+        return
+    nearest = next(p for p in (Path(path), *Path(path).parents) if _exists(p))
+    if not _is_dir(nearest):
+        raise ConfigError(f"{name}: {path} cannot be a table: {nearest} is a file")
+
+
 def check_writable_dir(path: str, *, name: str) -> None:
     """``path`` is a directory that takes new entries, or one that can be created."""
     check_not_a_file(path, name=name)

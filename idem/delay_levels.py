@@ -25,6 +25,9 @@ DEFAULT_MAX_RECONSUME_TIMES = 16
 FIRST_RETRY_LEVEL = 3
 """Delay level of the first retry when the broker chooses (``3 + reconsume_times``)."""
 
+MAX_DELAY_MS = 7 * 86_400_000
+"""The longest delay a level may have (7 days; RocketMQ's own ladder ends at 2 hours)."""
+
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _TOKEN = re.compile(r"^(\d+)(ms|s|m|h|d)$")
 
@@ -41,6 +44,12 @@ class DelayLevels:
             raise ConfigError("delay_levels: at least one level is required")
         if any(d <= 0 for d in self.delays_ms):
             raise ConfigError("delay_levels: every delay must be positive")
+        longest = max(self.delays_ms)
+        if longest > MAX_DELAY_MS:
+            level = self.delays_ms.index(longest) + 1
+            raise ConfigError(
+                f"delay_levels: level {level} is {longest} ms; the limit is {MAX_DELAY_MS} ms (7d)"
+            )
 
     @classmethod
     def parse(cls, text: str = DEFAULT_DELAY_LEVELS) -> DelayLevels:

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from idem.cli_args import redis_url, with_ledger_buckets
+from idem.cli_args import check_table_path, path_flag, redis_url, with_ledger_buckets
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
@@ -26,7 +26,9 @@ def _dedup(args: argparse.Namespace) -> tuple[Dedup, RedisHotStore]:
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
-    config = with_ledger_buckets(IdemConfig.from_env(**overrides))
+    config = IdemConfig.from_env(**overrides)
+    check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
+    config = with_ledger_buckets(config)
     hot = RedisHotStore.from_config(config)
     return Dedup(config, hot=hot), hot
 

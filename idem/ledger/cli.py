@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from idem.cli_args import non_negative_int, with_ledger_buckets
+from idem.cli_args import check_table_path, non_negative_int, path_flag, with_ledger_buckets
 from idem.clock import SYSTEM_CLOCK
 from idem.config import IdemConfig, parse_duration_ms
 from idem.errors import ConfigError
@@ -25,7 +25,10 @@ def _config(args: argparse.Namespace) -> IdemConfig:
     overrides: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
-    return with_ledger_buckets(IdemConfig.from_env(**overrides))
+    config = IdemConfig.from_env(**overrides)
+    # a file there would read as "no ledger yet": an empty audit that exits 0
+    check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
+    return with_ledger_buckets(config)
 
 
 def _version(args: argparse.Namespace) -> int:

@@ -377,3 +377,20 @@ def test_a_table_path_that_is_a_file_is_an_error_naming_the_flag(
     got, err = _exit(capsys, [*argv, flag, str(a_file)])
     assert got == code
     assert err.strip() == f"idem: error: {flag}: {a_file} is a file, not a directory"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["ledger", "audit"], ["ledger", "version"], ["index", "status"]],
+    ids=["audit", "version", "index"],
+)
+def test_a_ledger_under_a_file_is_refused_not_read_as_empty(
+    capsys: pytest.CaptureFixture[str], a_file: Path, nowhere: str, argv: list[str]
+) -> None:
+    """``ledger audit`` answered "0 key(s) held more than once", exit 0."""
+    extra = ["--redis-url", nowhere] if argv[0] == "index" else []
+    code, err = _exit(capsys, [*argv, "--group", "g", "--data-dir", str(a_file), *extra])
+    assert code == 1
+    assert err.strip() == (
+        f"idem: error: --data-dir: {a_file}/g/ledger cannot be a table: {a_file} is a file"
+    )

@@ -71,3 +71,11 @@ def test_default_ladder_is_rocketmqs() -> None:
 def test_bad_ladders_are_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="delay_levels"):
         DelayLevels.parse(text)
+
+
+def test_a_delay_past_a_week_is_refused_naming_the_level_and_the_limit() -> None:
+    assert DelayLevels.parse("1s 7d").delay_ms(2) == 7 * 86_400_000
+    with pytest.raises(ConfigError, match=r"^delay_levels: level 2 is 604800001 ms; the limit"):
+        DelayLevels.parse("1s 604800001ms")
+    with pytest.raises(ConfigError, match=r"level 1 is .* ms; the limit is 604800000 ms \(7d\)"):
+        DelayLevels.parse("99999999999999999999d")
