@@ -4,6 +4,12 @@ Subcommands are contributed by each layer through a ``register(subparsers)``
 function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
 ``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
 looked up by name so the core does not import the layers built on it.
+
+Exit codes, the same for every subcommand: 0 done; 1 an idem error (the
+message says which) or, for ``ledger audit``, keys held more than once; 2 bad
+arguments or settings (the message names the flag and the limit); 3 Redis
+unreachable or failing; 4 the exactly-once check failed (``demo``, ``run
+--check``); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Protocol, cast
 
 import redis
 
-from idem.errors import IdemError
+from idem.errors import ConfigError, IdemError, StoreUnavailable
 
 LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli")
 """Modules that may contribute subcommands; a missing one is simply absent."""
@@ -29,6 +35,29 @@ class _Registrar(Protocol):
 
 Handler = Callable[[argparse.Namespace], int]
 """A subcommand: sets ``func`` with ``parser.set_defaults(func=...)`` and returns an exit code."""
+
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+EXIT_CHECK_FAILED = 4
+EXIT_INTERRUPTED = 130
+
+_EPILOG = (
+    "exit codes: 0 done; 1 an idem error (ledger audit: keys held more than once); "
+    "2 bad arguments or settings; 3 Redis unreachable; 4 the exactly-once check failed; "
+    "130 interrupted"
+)
+
+
+def exit_code(error: IdemError) -> int:
+    """The exit code of a failure the user can act on (see the module's table)."""
+    if isinstance(error, ConfigError):
+        return EXIT_USAGE
+    if isinstance(error, StoreUnavailable):
+        return EXIT_REDIS
+    return EXIT_ERROR
 
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -61,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="idem",
         description="Exactly-once sinks on at-least-once delivery (dedup, retries, DLQ).",
+        epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -87,14 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     func = cast("Handler | None", getattr(args, "func", None))
     if func is None:
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
         return func(args)
     except IdemError as exc:
         print(f"idem: error: {exc}", file=sys.stderr)
-        return 1
+        return exit_code(exc)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

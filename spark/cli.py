@@ -1,8 +1,7 @@
 """``idem demo``, ``idem run`` and ``idem dlq {ls,show,replay,discard}``.
 
-Exit codes: 0 done; 1 an idem error (the message says which); 2 bad
-arguments or a missing directory; 3 Redis unreachable; 4 the exactly-once
-check failed (demo, or ``run --check``); 130 interrupted.
+Exit codes as for every subcommand (:mod:`idem.cli`): 2 also for a missing
+directory, 4 when the exactly-once check of ``demo`` or ``run --check`` fails.
 """
 
 from __future__ import annotations
@@ -17,6 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark.errors import IllegalArgumentException
 
+from idem.cli import (
+    EXIT_CHECK_FAILED,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    exit_code,
+)
 from idem.cli_args import (
     check_not_a_file,
     check_writable_dir,
@@ -25,7 +31,7 @@ from idem.cli_args import (
     redis_url,
 )
 from idem.config import IdemConfig
-from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.errors import ConfigError, IdemError
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.demo import run_demo
@@ -52,12 +58,6 @@ from idem.spark.session import local_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_REDIS = 3
-EXIT_CHECK_FAILED = 4
 
 log = logging.getLogger(__name__)
 
@@ -305,12 +305,8 @@ def _guarded(handler: Any) -> Any:
         logging.getLogger("py4j").setLevel(logging.WARNING)
         try:
             return int(handler(args))
-        except StoreUnavailable as exc:
-            return _fail(EXIT_REDIS, str(exc))
-        except ConfigError as exc:
-            return _fail(EXIT_USAGE, str(exc))
         except IdemError as exc:
-            return _fail(EXIT_ERROR, str(exc))
+            return _fail(exit_code(exc), str(exc))
 
     return run
 

@@ -90,6 +90,41 @@ def _one_error_line(err: str) -> str:
     return line
 
 
+# -- exit codes: the same failure, the same code, whatever the subcommand ----------------------
+
+EVERY_GROUP_COMMAND = [
+    ["ledger", "version"],
+    ["ledger", "audit"],
+    ["index", "status"],
+    ["retry", "stats"],
+    ["dlq", "ls"],
+]
+
+
+@pytest.mark.parametrize("argv", EVERY_GROUP_COMMAND, ids=" ".join)
+def test_a_bad_setting_is_exit_2_from_every_subcommand(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nowhere: str, argv: list[str]
+) -> None:
+    """``ledger``, ``index`` and ``retry`` answered a bad setting with 1, ``run``/``dlq`` with 2."""
+    flags = ["--group", "no spaces", "--data-dir", str(tmp_path), "--redis-url", nowhere]
+    if argv[0] == "ledger":
+        flags = flags[:4]
+    code, err = _exit(capsys, [*argv, *flags])
+    assert (code, _one_error_line(err)[:30]) == (2, "idem: error: group: 'no spaces")
+
+
+@pytest.mark.parametrize("argv", [a for a in EVERY_GROUP_COMMAND if a[0] != "ledger"], ids=" ".join)
+def test_an_unreachable_redis_is_exit_3_from_every_subcommand(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nowhere: str, argv: list[str]
+) -> None:
+    """``index`` and ``retry`` answered 1, ``run`` and ``dlq`` 3."""
+    code, err = _exit(
+        capsys, [*argv, "--group", "g", "--data-dir", str(tmp_path), "--redis-url", nowhere]
+    )
+    assert code == 3, err
+    assert "Connection refused" in _one_error_line(err)
+
+
 # -- --redis-url and IDEM_REDIS_URL -------------------------------------------------------------
 
 
@@ -201,7 +236,7 @@ def test_a_duration_past_a_century_is_refused_naming_the_flag(
     """It overflowed Python's dates: ``OverflowError: Python int too large ...``."""
     argv = ["ledger", action, "--group", "g", "--data-dir", str(tmp_path), flag, "99999999999d"]
     code, err = _exit(capsys, argv)
-    assert code == 1
+    assert code == 2
     assert err.strip() == (
         f"idem: error: {flag}: '99999999999d' is longer than the longest duration idem "
         "takes, 36500d"
@@ -390,7 +425,7 @@ def test_a_ledger_under_a_file_is_refused_not_read_as_empty(
     """``ledger audit`` answered "0 key(s) held more than once", exit 0."""
     extra = ["--redis-url", nowhere] if argv[0] == "index" else []
     code, err = _exit(capsys, [*argv, "--group", "g", "--data-dir", str(a_file), *extra])
-    assert code == 1
+    assert code == 2
     assert err.strip() == (
         f"idem: error: --data-dir: {a_file}/g/ledger cannot be a table: {a_file} is a file"
     )
