@@ -39,6 +39,9 @@ def _version(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     ledger = open_ledger(_config(args), engine="deltars")
+    if ledger.version() < 0:  # a mistyped --data-dir should not read as a clean audit
+        print(f"idem ledger audit: no ledger at {ledger.path} yet (nothing completed there)")
+        return 0
     since = None
     if args.since is not None:
         since = SYSTEM_CLOCK.now_ms() - parse_duration_ms(args.since, setting="--since")

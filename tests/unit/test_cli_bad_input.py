@@ -414,6 +414,19 @@ def test_a_table_path_that_is_a_file_is_an_error_naming_the_flag(
     assert err.strip() == f"idem: error: {flag}: {a_file} is a file, not a directory"
 
 
+def test_an_audit_where_there_is_no_ledger_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A mistyped ``--data-dir`` answered "0 key(s) held more than once", like a clean audit."""
+    code = main(["ledger", "audit", "--group", "g", "--data-dir", str(tmp_path / "typo")])
+    out = capsys.readouterr().out
+    assert (code, out.strip()) == (
+        0,
+        f"idem ledger audit: no ledger at {tmp_path}/typo/g/ledger yet (nothing completed there)",
+    )
+    assert not (tmp_path / "typo").exists()
+
+
 @pytest.mark.parametrize(
     "argv",
     [["ledger", "audit"], ["ledger", "version"], ["index", "status"]],
