@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import inspect
 import os
 import re
@@ -65,8 +66,19 @@ def _require(binary: str) -> str:
     return path
 
 
+def _module(name: str, package: str) -> Any:
+    """An optional test dependency (in the ``dev`` extra): missing in CI is a failure."""
+    reason = f"pip install {package} (in the dev extra): the deploy checks need it"
+    if IN_CI:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pytest.fail(reason, pytrace=False)
+    return pytest.importorskip(name, reason=reason)
+
+
 def _manifests() -> list[tuple[Path, dict[str, Any]]]:
-    yaml = pytest.importorskip("yaml", reason="PyYAML reads the Kubernetes manifests")
+    yaml = _module("yaml", "pyyaml")
     return [
         (path, doc)
         for path in sorted(DEPLOY.rglob("*.yaml"))
@@ -504,7 +516,7 @@ def test_env_example_as_shipped_gives_a_working_config(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_manifests_match_the_kubernetes_schema() -> None:
     manifests = _manifests()
-    schema = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    schema = _module("kubernetes_validate", "kubernetes-validate")
     for path, doc in manifests:
         try:
             schema.validate(doc, schema.latest_version(), strict=True)
