@@ -38,13 +38,13 @@ def _version(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    since = None  # checked first: a bad flag is an error even where there is no ledger
+    if args.since is not None:
+        since = SYSTEM_CLOCK.now_ms() - parse_duration_ms(args.since, setting="--since")
     ledger = open_ledger(_config(args), engine="deltars")
     if ledger.version() < 0:  # a mistyped --data-dir should not read as a clean audit
         print(f"idem ledger audit: no ledger at {ledger.path} yet (nothing completed there)")
         return 0
-    since = None
-    if args.since is not None:
-        since = SYSTEM_CLOCK.now_ms() - parse_duration_ms(args.since, setting="--since")
     repeated = ledger.audit(since_ms=since)
     for key, count in repeated:
         print(json.dumps({"key": key, "count": count}))

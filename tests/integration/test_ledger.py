@@ -613,7 +613,9 @@ def test_the_cli_audits_expires_and_refuses_to_cut_into_the_window(
 
     assert cli_main(["ledger", "audit", *common]) == 1
     assert '{"key": "A", "count": 2}' in capsys.readouterr().out
-    assert cli_main(["ledger", "expire", "--older-than", "1d", *common]) == 1  # refused
+    assert (
+        cli_main(["ledger", "expire", "--older-than", "1d", *common]) == 2
+    )  # refused: a bad setting
     assert "inside the dedup window" in capsys.readouterr().err
     assert cli_main(["ledger", "expire", "--older-than", "30d", *common]) == 0
     assert '"deleted_rows": 0' in capsys.readouterr().out
