@@ -27,6 +27,7 @@ from typing import Protocol
 from idem.retry.consumer.topics import MessageQueue
 from idem.retry.message import MessageExt
 from idem.retry.status import (
+    ACK_INDEX_ALL,
     ConsumeConcurrentlyContext,
     ConsumeConcurrentlyStatus,
     ConsumeOrderlyContext,
@@ -34,6 +35,10 @@ from idem.retry.status import (
 )
 
 log = logging.getLogger(__name__)
+
+MAX_SUSPEND_MS = 60_000
+"""The longest pause an orderly listener may ask for (``suspend_current_queue_time_millis``,
+the same bound as the consumer setting); ``-1`` means the setting's value."""
 
 MessageListenerConcurrently = Callable[
     [Sequence[MessageExt], ConsumeConcurrentlyContext], "ConsumeConcurrentlyStatus | None"
@@ -260,6 +265,13 @@ def invoke_concurrently(
         log.warning("listener failed on %d message(s)", len(messages), exc_info=True)
         status = ConsumeConcurrentlyStatus.RECONSUME_LATER
         reason = f"{type(exc).__name__}: {exc}"
+    problem = _whole_problem("ack_index", context.ack_index, -1, ACK_INDEX_ALL) or _whole_problem(
+        "delay_level_when_next_consume", context.delay_level_when_next_consume
+    )
+    if problem is not None:  # the listener's mistake fails the batch, naming the field
+        log.warning("listener set a bad context value: %s", problem)
+        status, reason = ConsumeConcurrentlyStatus.RECONSUME_LATER, f"ConfigError: {problem}"
+        context = ConsumeConcurrentlyContext()
     return BatchResult.from_concurrently(len(messages), status, context, reason)
 
 
@@ -280,7 +292,28 @@ def invoke_orderly(listener: MessageListenerOrderly, messages: Sequence[MessageE
         log.warning("orderly listener failed on %d message(s)", len(messages), exc_info=True)
         status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
         reason = f"{type(exc).__name__}: {exc}"
+    problem = _whole_problem(
+        "suspend_current_queue_time_millis",
+        context.suspend_current_queue_time_millis,
+        -1,
+        MAX_SUSPEND_MS,
+    )
+    if problem is not None:  # suspended with the default pause, retried, then dead-lettered
+        log.warning("orderly listener set a bad context value: %s", problem)
+        status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        reason, context = f"ConfigError: {problem}", ConsumeOrderlyContext()
     return BatchResult.from_orderly(len(messages), status, context, reason)
+
+
+def _whole_problem(
+    name: str, value: object, low: int | None = None, high: int | None = None
+) -> str | None:
+    """Why a context value a listener set is unusable (``None`` when it is fine)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{name}: {value!r} is not a whole number"
+    if (low is not None and value < low) or (high is not None and value > high):
+        return f"{name}: {value} is outside {low}..{high}"
+    return None
 
 
 # -- per-row marks ------------------------------------------------------------------------

@@ -192,8 +192,25 @@ class OrderlyService:
                 if pq.dropped:
                     self.rt.stats.add(dropped_results=len(messages))
                     return
-                if not self.process_consume_result(messages, result, pq, mq):
+                if not self._settle(messages, result, pq, mq):
                     return
+
+    def _settle(
+        self,
+        messages: Sequence[MessageExt],
+        result: BatchResult,
+        pq: ProcessQueue,
+        mq: MessageQueue,
+    ) -> bool:
+        """:meth:`process_consume_result`, but messages it fails on go back in place (taken
+        from the process queue, they would otherwise be skipped by the next commit)."""
+        try:
+            return self.process_consume_result(messages, result, pq, mq)
+        except Exception:
+            log.exception("%s: settling a consume of %s failed", self.rt.client_id, mq)
+            pq.make_message_to_consume_again(messages)
+            self._later(pq, mq, self.rt.settings.suspend_current_queue_time_millis)
+            return False
 
     def process_consume_result(
         self,

@@ -477,3 +477,42 @@ def test_a_consume_call_that_raises_ends_in_the_dlq_and_the_queue_goes_on(
     assert "body.order_id: cannot read the key: the body is not JSON" in (
         letters["NOTJSON"].last_error or ""
     )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("ack_index", -5, "ack_index: -5 is outside -1..2147483647"),
+        ("ack_index", "0", "ack_index: '0' is not a whole number"),
+        ("delay_level_when_next_consume", "2", "delay_level_when_next_consume: '2' is not a"),
+    ],
+    ids=["ack-negative", "ack-text", "level-text"],
+)
+def test_a_bad_context_value_from_the_listener_ends_in_the_dlq_naming_it(
+    real_redis: redis.Redis,
+    config: IdemConfig,
+    consumers: list[PushConsumer],
+    case: tuple[str, object, str],
+) -> None:
+    """Before, a text delay level failed every send-back (a TypeError in the policy), so the
+    message was re-submitted locally every 5 s forever, holding its queue's offset back;
+    ``ack_index=-5`` dead-lettered with ``IndexError: list index out of range``."""
+    field, value, why = case
+
+    def mistaken(
+        messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        setattr(context, field, value)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    mq = MessageQueue("orders", 0)
+    TopicStore(real_redis).put(mq, [new_message("orders", b"{}", keys="K0")])
+    got = Recorder(mistaken)
+    start(config.with_changes(max_reconsume_times=1), got, consumers)
+    table = DeadLetterTable(config.resolved_dlq_path, config.group)
+    [letter] = eventually(table.list, timeout=20)
+    assert letter.key == "K0"
+    assert letter.last_error is not None
+    assert f"ConfigError: {why}" in letter.last_error
+    assert [m.reconsume_times for m in got.seen] == [0, 1]
+    eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 1)

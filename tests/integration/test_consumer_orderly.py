@@ -191,3 +191,50 @@ def test_a_filtered_message_does_not_move_the_offset_past_the_batch_being_consum
     finally:
         release.set()
         consumer.shutdown()
+
+
+def test_a_bad_suspend_time_from_the_listener_retries_then_dead_letters_naming_it(
+    real_backend: RealRedis, tmp_path: Path
+) -> None:
+    """Before, ``suspend_current_queue_time_millis = None`` raised a TypeError while the
+    result was settled: the message was never retried nor dead-lettered, and the queue's
+    offset was committed past it."""
+    real_redis = real_backend.client
+    group = f"s-{uuid.uuid4().hex[:8]}"
+    config = IdemConfig(
+        group=group, redis_url=real_backend.url, data_dir=str(tmp_path), max_reconsume_times=2
+    )
+    TopicStore(real_redis).create_topic("orders", 1)
+    seen: list[tuple[str, int]] = []
+
+    def mistaken(
+        messages: Sequence[MessageExt], context: ConsumeOrderlyContext
+    ) -> ConsumeOrderlyStatus:
+        seen.extend((m.keys or "", m.reconsume_times) for m in messages)
+        if messages[0].keys == "VICTIM":
+            context.suspend_current_queue_time_millis = None  # type: ignore[assignment]
+            return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        return ConsumeOrderlyStatus.SUCCESS
+
+    settings = replace(FAST, lock_interval_ms=200, suspend_current_queue_time_millis=10)
+    consumer = PushConsumer(config, settings=settings, client=real_backend.new_client())
+    consumer.subscribe("orders")
+    consumer.register_message_listener_orderly(mistaken)
+    producer = Producer("p", client=real_redis)
+    for key in ("VICTIM", "NEXT"):
+        producer.send(new_message("orders", b"{}", keys=key))
+    consumer.start()
+    try:
+        eventually(lambda: ("NEXT", 0) in seen)
+        eventually(lambda: consumer_offsets(real_redis, group).get(MessageQueue("orders", 0)) == 2)
+        assert consumer.engine is not None
+        [letter] = consumer.engine.dlq.list()
+    finally:
+        consumer.shutdown()
+    assert seen == [("VICTIM", 0), ("VICTIM", 1), ("VICTIM", 2), ("NEXT", 0)]
+    assert letter.key == "VICTIM"
+    assert letter.last_error is not None
+    assert (
+        "ConfigError: suspend_current_queue_time_millis: None is not a whole number"
+        in letter.last_error
+    )
