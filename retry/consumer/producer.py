@@ -169,6 +169,23 @@ class Producer:
                     return mq
         return mqs[0]
 
+    @staticmethod
+    def _selected(
+        selector: MessageQueueSelector,
+        mqs: Sequence[MessageQueue],
+        message: MessageExt,
+        arg: object,
+    ) -> MessageQueue:
+        """The selector's queue, refused unless it is one of the topic's (a stream nobody
+        reads would take the message and answer ``SEND_OK``)."""
+        mq = selector(mqs, message, arg)
+        if mq not in mqs:
+            raise SendFailed(
+                f"selector: chose {mq!r}, not one of the {len(mqs)} queue(s) of topic "
+                f"{message.topic!r} (queue ids 0..{len(mqs) - 1})"
+            )
+        return mq
+
     def send(
         self,
         message: MessageExt,
@@ -190,7 +207,11 @@ class Producer:
         last: MessageQueue | None = None
         error: BaseException | None = None
         for attempt in range(1, attempts + 1):
-            mq = selector(mqs, message, arg) if selector else self._next_queue(mqs, last)
+            mq = (
+                self._selected(selector, mqs, message, arg)
+                if selector
+                else self._next_queue(mqs, last)
+            )
             try:
                 offset = self.topics.put(mq, [message])[0]
             except SEND_TRANSIENT as exc:

@@ -29,6 +29,7 @@ from idem.retry.consumer import (
     Producer,
     PushConsumer,
     ReadOffsetType,
+    SendFailed,
     TopicStore,
     allocate_averagely,
     consumer_offsets,
@@ -516,3 +517,25 @@ def test_a_bad_context_value_from_the_listener_ends_in_the_dlq_naming_it(
     assert f"ConfigError: {why}" in letter.last_error
     assert [m.reconsume_times for m in got.seen] == [0, 1]
     eventually(lambda: consumer_offsets(real_redis, config.group).get(mq) == 1)
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [MessageQueue("orders", 7), MessageQueue("elsewhere", 0), None],
+    ids=["queue-id-past-the-topic", "another-topic", "none"],
+)
+def test_a_selector_choosing_a_queue_the_topic_lacks_is_refused(
+    real_redis: redis.Redis, config: IdemConfig, chosen: MessageQueue | None
+) -> None:
+    """Before, the message went into a stream no consumer reads, and send said SEND_OK."""
+    producer = Producer("p", client=real_redis)
+    with pytest.raises(SendFailed) as refused:
+        producer.send(
+            new_message("orders", b"{}", keys="K0"), selector=lambda mqs, message, arg: chosen
+        )
+    assert str(refused.value) == (
+        f"selector: chose {chosen!r}, not one of the 4 queue(s) of topic 'orders' (queue ids 0..3)"
+    )
+    topics = TopicStore(real_redis)
+    assert [topics.max_offset(mq) for mq in topics.message_queues("orders")] == [0, 0, 0, 0]
+    assert list(real_redis.scan_iter("*elsewhere*")) == []
