@@ -59,15 +59,18 @@ def dlq_topic(group: str) -> str:
     return f"%DLQ%{group}"
 
 
-def new_msg_id(group: str, origin_msg_id: str, reconsume_times: int) -> str:
-    """The msg id of the ``reconsume_times``-th resend of ``origin_msg_id`` in ``group``.
+def new_msg_id(group: str, failed_msg_id: str, reconsume_times: int) -> str:
+    """The msg id of the resend (the ``reconsume_times``-th) of the delivery ``failed_msg_id``
+    in ``group``.
 
     A new id on every resend, as the broker gives; derived rather than random so
     that a send-back repeated after an unknown outcome (timeout, crash) names the
-    same message and is stored once.
+    same message and is stored once. Derived from the failed delivery's own id, not
+    its ``ORIGIN_MESSAGE_ID``: that is a property a producer may have copied onto
+    different messages (forwarding a consumed one), and their resends must not merge.
     """
     digest = hashlib.blake2b(
-        f"{group}\x00{origin_msg_id}\x00{reconsume_times}".encode(), digest_size=16
+        f"{group}\x00{failed_msg_id}\x00{reconsume_times}".encode(), digest_size=16
     )
     return digest.hexdigest().upper()
 

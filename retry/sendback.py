@@ -149,7 +149,7 @@ class SendBackProcessor:
         due = now + delay.delay_ms
         reconsume_times = message.reconsume_times + 1
         props = failure_properties(message, failure)
-        msg_id = new_msg_id(self.group, message.origin_msg_id, reconsume_times)
+        msg_id = new_msg_id(self.group, message.msg_id, reconsume_times)
         scheduled = self._build(
             message,
             msg_id,

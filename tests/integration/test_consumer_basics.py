@@ -539,3 +539,26 @@ def test_a_selector_choosing_a_queue_the_topic_lacks_is_refused(
     topics = TopicStore(real_redis)
     assert [topics.max_offset(mq) for mq in topics.message_queues("orders")] == [0, 0, 0, 0]
     assert list(real_redis.scan_iter("*elsewhere*")) == []
+
+
+def test_two_messages_carrying_the_same_origin_id_are_both_retried_and_dead_lettered(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    """Forwarded messages may carry a copied ``ORIGIN_MESSAGE_ID``; the second one's retry
+    collapsed into the first's, so it was never retried nor dead-lettered: lost."""
+    shared = {"ORIGIN_MESSAGE_ID": "FORWARDED-FROM"}
+    mq = MessageQueue("orders", 0)
+    TopicStore(real_redis).put(
+        mq, [new_message("orders", b"{}", keys=k, properties=shared) for k in ("O1", "O2")]
+    )
+    got = Recorder(lambda messages, context: ConsumeConcurrentlyStatus.RECONSUME_LATER)
+    start(config.with_changes(max_reconsume_times=1), got, consumers)
+    table = DeadLetterTable(config.resolved_dlq_path, config.group)
+    eventually(lambda: len(table.list()) == 2, timeout=20)
+    assert sorted(letter.key for letter in table.list()) == ["O1", "O2"]
+    assert sorted((m.keys or "", m.reconsume_times) for m in got.seen) == [
+        ("O1", 0),
+        ("O1", 1),
+        ("O2", 0),
+        ("O2", 1),
+    ]

@@ -116,6 +116,22 @@ def test_resending_the_same_failure_names_the_same_new_message(clock: ManualCloc
     assert first.message.msg_id == again.message.msg_id
 
 
+def test_messages_sharing_an_origin_property_are_resent_as_different_messages(
+    clock: ManualClock,
+) -> None:
+    """``ORIGIN_MESSAGE_ID`` copied onto two messages (a consumed one forwarded twice): the
+    resend ids came from it, so the second send-back merged into the first's retry."""
+    processor = _processor(clock)
+    shared = {P.PROPERTY_ORIGIN_MESSAGE_ID: "FORWARDED-FROM"}
+    one, two = (
+        processor.process(_original().evolve(msg_id=msg_id, properties=shared))
+        for msg_id in ("MSG-1", "MSG-2")
+    )
+    assert isinstance(one, Scheduled)
+    assert isinstance(two, Scheduled)
+    assert one.message.msg_id != two.message.msg_id
+
+
 def test_exponential_policy_uses_the_timer_queue(clock: ManualClock) -> None:
     decision = _processor(clock, policy=ExponentialRetryPolicy()).process(
         _original().evolve(reconsume_times=3)
