@@ -19,7 +19,7 @@ from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
 from idem.errors import ConfigError
 from idem.redis_client import redis_url_problem
 
-_GROUP = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)?$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -127,11 +127,17 @@ class IdemConfig:
     ``maxMessageSize``; Redis could not take its wire form past ``proto-max-bulk-len``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.group, str) or not _GROUP.match(self.group):
+        if (
+            not isinstance(self.group, str)
+            or not _GROUP.fullmatch(self.group)
+            or not self.group.strip(".")
+        ):
             raise ConfigError(
                 f"group: {self.group!r} must be 1..200 characters of letters, digits, "
-                "'_', '.', '-' (it becomes part of Redis hash tags and Delta paths)"
+                "'_', '.', '-', not only dots (it becomes part of Redis hash tags and "
+                "Delta paths)"
             )
+        self._check_paths()
         url_problem = redis_url_problem(self.redis_url)
         if url_problem is not None:
             raise ConfigError(f"redis_url: {url_problem}")
@@ -144,6 +150,10 @@ class IdemConfig:
         _check_range("max_message_bytes", self.max_message_bytes, *MESSAGE_BYTES_RANGE)
         if isinstance(self.delay_levels, str):
             object.__setattr__(self, "delay_levels", DelayLevels.parse(self.delay_levels))
+        elif not isinstance(self.delay_levels, DelayLevels):
+            raise ConfigError(
+                f"delay_levels: expected levels like '1s 5s 10s', got {self.delay_levels!r}"
+            )
         for name, enum in (("mode", DedupMode), ("mismatch_policy", MismatchPolicy)):
             raw = getattr(self, name)
             try:
@@ -159,6 +169,19 @@ class IdemConfig:
                 f"{self.max_reconsume_times} reconsumes); a retried message would no "
                 "longer be recognised as a duplicate"
             )
+
+    def _check_paths(self) -> None:
+        """Paths are text (a :class:`~pathlib.Path` is taken as its text); ``data_dir`` is
+        required, the table paths default under it."""
+        for name in ("data_dir", "ledger_path", "dlq_path", "journal_path"):
+            value = getattr(self, name)
+            if value is None and name != "data_dir":
+                continue
+            if isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, name, value)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{name}: expected a directory path or URI, got {value!r}")
 
     @property
     def retry_horizon_ms(self) -> int:

@@ -107,8 +107,12 @@ class PushConsumer:
         self.stats = ConsumerStats()
         self.scheduler = Scheduler(f"{self.client_id}-timer")
         clustering = self.settings.message_model is MessageModel.CLUSTERING
-        if engine is None and clustering:
-            engine = RetryEngine(config, client=self.client, clock=clock)
+        if engine is None and clustering:  # the send-back applies the consumer's limit
+            engine = RetryEngine(
+                config.with_changes(max_reconsume_times=self.max_reconsume_times),
+                client=self.client,
+                clock=clock,
+            )
         self.engine = engine
         self.offset_store: OffsetStore
         if clustering:

@@ -41,6 +41,13 @@ _RANGES: dict[str, tuple[int, int]] = {
     "lock_interval_ms": (10, 24 * 60 * MINUTE_MS),
     "pull_time_delay_when_flow_control_ms": (1, 60_000),
     "await_termination_ms": (0, 10 * MINUTE_MS),
+    "max_reconsume_times": (-1, 1_000),
+}
+
+_OPTIONAL_RANGES: dict[str, tuple[int, int]] = {  # ``None`` takes the default
+    "consume_timestamp_ms": (0, 253_402_300_799_999),  # up to the end of year 9999
+    "heartbeat_expire_ms": (10, 24 * 60 * MINUTE_MS),
+    "lock_ttl_ms": (10, 24 * 60 * MINUTE_MS),
 }
 
 
@@ -49,7 +56,9 @@ class ConsumerSettings:
     """Everything a :class:`~idem.retry.consumer.PushConsumer` can be told (RocketMQ's names).
 
     Intervals are in milliseconds so that tests can shorten RocketMQ's seconds.
-    ``max_reconsume_times = -1`` takes the group's (``IdemConfig.max_reconsume_times``).
+    ``max_reconsume_times = -1`` takes the group's (``IdemConfig.max_reconsume_times``);
+    another value is this consumer's limit for both listener kinds (RocketMQ sends it with
+    each send-back), unless the consumer is given a ready ``engine``.
     """
 
     message_model: MessageModel = MessageModel.CLUSTERING
@@ -85,12 +94,18 @@ class ConsumerSettings:
     """Broadcasting: where the local offset files live (default ``~/.rocketmq_offsets``)."""
 
     def __post_init__(self) -> None:
-        for name, (low, high) in _RANGES.items():
+        checked = {
+            **_RANGES,
+            **{k: v for k, v in _OPTIONAL_RANGES.items() if getattr(self, k) is not None},
+        }
+        for name, (low, high) in checked.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name}: expected a whole number, got {value!r}")
             if not low <= value <= high:
                 raise ConfigError(f"{name}: {value} is outside the allowed range {low}..{high}")
+        if self.offset_store_dir is not None and not isinstance(self.offset_store_dir, str):
+            raise ConfigError(f"offset_store_dir: expected a path, got {self.offset_store_dir!r}")
         for name, enum in (
             ("message_model", MessageModel),
             ("consume_from_where", ConsumeFromWhere),
@@ -102,8 +117,6 @@ class ConsumerSettings:
                 raise ConfigError(
                     f"{name}: {getattr(self, name)!r} is not one of {allowed}"
                 ) from None
-        if self.max_reconsume_times < -1:
-            raise ConfigError(f"max_reconsume_times: {self.max_reconsume_times} must be >= -1")
         expire = self.effective_heartbeat_expire_ms
         if expire <= self.heartbeat_interval_ms:
             raise ConfigError(

@@ -562,3 +562,18 @@ def test_two_messages_carrying_the_same_origin_id_are_both_retried_and_dead_lett
         ("O2", 0),
         ("O2", 1),
     ]
+
+
+def test_the_consumers_max_reconsume_times_applies_to_a_concurrent_listener(
+    real_redis: redis.Redis, config: IdemConfig, consumers: list[PushConsumer]
+) -> None:
+    """``ConsumerSettings(max_reconsume_times=0)`` was read only by orderly consumers: a
+    concurrent one retried on the group's limit (16 here) instead of dead-lettering."""
+    TopicStore(real_redis).put(MessageQueue("orders", 0), [new_message("orders", b"{}", keys="K")])
+    got = Recorder(lambda messages, context: ConsumeConcurrentlyStatus.RECONSUME_LATER)
+    start(config, got, consumers, settings=FAST.with_changes(max_reconsume_times=0))
+    table = DeadLetterTable(config.resolved_dlq_path, config.group)
+    [letter] = eventually(table.list, timeout=20)
+    assert (letter.key, letter.reconsume_times) == ("K", 0)
+    time.sleep(1.5)  # a retry would be due after the 1 s level
+    assert [m.reconsume_times for m in got.seen] == [0]

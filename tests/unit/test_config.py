@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from idem.config import DedupMode, IdemConfig, MismatchPolicy, parse_duration_ms
 from idem.delay_levels import DelayLevels
 from idem.errors import ConfigError
+from idem.retry.consumer import ConsumerSettings
 
 pytestmark = pytest.mark.unit
 
@@ -46,6 +49,11 @@ def test_a_short_ladder_allows_a_short_window() -> None:
         ({"mode": "eventual"}, r"mode: 'eventual' is not one of index, strict"),
         ({"mismatch_policy": "ignore"}, "mismatch_policy"),
         ({"delay_levels": "1s 5x"}, r"level 2 is '5x'"),
+        ({"delay_levels": 5}, r"delay_levels: expected levels like '1s 5s 10s', got 5"),
+        ({"group": "orders\n"}, r"group: 'orders\\n' must be"),  # '$' matched before a newline
+        ({"group": ".."}, r"group: '\.\.' .* not only dots"),  # the ledger escaped data_dir
+        ({"data_dir": None}, r"data_dir: expected a directory path or URI, got None"),
+        ({"ledger_path": 5}, r"ledger_path: expected a directory path or URI, got 5"),
     ],
 )
 def test_bad_settings_are_refused_by_name(changes: dict[str, object], message: str) -> None:
@@ -102,3 +110,29 @@ def test_object_store_data_dirs_keep_their_scheme() -> None:
     config = IdemConfig(group="orders", data_dir="s3://bucket/idem/")
     assert config.resolved_ledger_path == "s3://bucket/idem/orders/ledger"
     assert config.resolved_dlq_path == "s3://bucket/idem/orders/dlq"
+
+
+def test_a_path_object_is_taken_as_its_text() -> None:
+    config = IdemConfig(group="orders", data_dir=Path("/srv/idem"))  # type: ignore[arg-type]
+    assert config.resolved_ledger_path == "/srv/idem/orders/ledger"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"consume_timestamp_ms": "yesterday"}, "consume_timestamp_ms: expected a whole number"),
+        ({"consume_timestamp_ms": -1}, r"consume_timestamp_ms: -1 is outside .* 0\.\."),
+        ({"max_reconsume_times": 1.5}, "max_reconsume_times: expected a whole number, got 1.5"),
+        ({"max_reconsume_times": 10**9}, r"max_reconsume_times: .* range -1\.\.1000"),
+        ({"heartbeat_expire_ms": "600"}, "heartbeat_expire_ms: expected a whole number"),
+        ({"lock_ttl_ms": 10**18}, r"lock_ttl_ms: .* range 10\.\.86400000"),
+        ({"offset_store_dir": 5}, "offset_store_dir: expected a path, got 5"),
+    ],
+)
+def test_bad_consumer_settings_are_refused_by_name(
+    changes: dict[str, object], message: str
+) -> None:
+    """Before, these were taken as given: a text timestamp left the consumer never pulling
+    (a warning every rebalance), a text or fractional count failed later with a TypeError."""
+    with pytest.raises(ConfigError, match=message):
+        ConsumerSettings(**changes)  # type: ignore[arg-type]
