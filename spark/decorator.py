@@ -344,7 +344,9 @@ class ExactlyOnce:
             payload = run.table.select(taken)
         else:
             payload = run.table.select(taken).take(pa.array(succeeded, pa.int64()))
-        fitted, misfits = fit_rows(payload, self.dedup.ledger.column_types())
+        fitted, misfits = fit_rows(
+            payload, self.dedup.ledger.column_types(), supplied=LEDGER_SCHEMA.names
+        )
         return fitted, {succeeded[n]: why for n, why in misfits.items()}
 
 

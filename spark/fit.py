@@ -9,6 +9,8 @@ rows that do not fit, each with the column and the value: those are dead-lettere
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -16,13 +18,25 @@ _CAST_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError)
 _CHUNK = 1024  # rows cast one by one only within a chunk that failed as a whole
 
 
-def fit_rows(rows: pa.Table, table_types: pa.Schema | None) -> tuple[pa.Table, dict[int, str]]:
+def fit_rows(
+    rows: pa.Table, table_types: pa.Schema | None, *, supplied: Collection[str] = ()
+) -> tuple[pa.Table, dict[int, str]]:
     """``rows`` with every column the table has cast to its type, without the rows that do
     not fit; and those rows (positions in ``rows``) with why. Columns the table lacks are
-    left as they are (the write adds them)."""
+    left as they are (the write adds them); a column named in another case is the table's
+    (Delta's names are case-insensitive); a table column the rows lack, other than those
+    the caller ``supplied``, is null, as Delta writes it, or a misfit where it may not be."""
     if table_types is None or rows.num_rows == 0:
         return rows, {}
     misfits: dict[int, str] = {}
+    rows = _named_as_the_table(rows, table_types)
+    for wanted in table_types:
+        if wanted.name in supplied or wanted.name in rows.column_names:
+            continue
+        if not wanted.nullable:
+            why = f"column {wanted.name!r}: missing, and the sink table's column is not nullable"
+            misfits.update(dict.fromkeys(range(rows.num_rows), why))
+        rows = rows.append_column(wanted, pa.nulls(rows.num_rows, wanted.type))
     columns: list[pa.ChunkedArray] = []
     for name in rows.column_names:
         column = rows.column(name)
@@ -44,6 +58,16 @@ def fit_rows(rows: pa.Table, table_types: pa.Schema | None) -> tuple[pa.Table, d
         return fitted, {}
     keep = pa.array([i not in misfits for i in range(rows.num_rows)], pa.bool_())
     return fitted.filter(keep), misfits
+
+
+def _named_as_the_table(rows: pa.Table, table_types: pa.Schema) -> pa.Table:
+    """``rows`` with a column the table names in another case renamed to the table's name."""
+    by_lower = {name.lower(): name for name in table_types.names}
+    names = [
+        name if table_types.get_field_index(name) >= 0 else by_lower.get(name.lower(), name)
+        for name in rows.column_names
+    ]
+    return rows if names == rows.column_names else rows.rename_columns(names)
 
 
 def _schema(given: pa.Schema, table_types: pa.Schema) -> pa.Schema:
