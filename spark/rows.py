@@ -148,7 +148,8 @@ class RowCodec:
 
     def decode_columns(self, body: bytes | str) -> DecodedRow:
         """:meth:`decode`, column by column: a column that does not decode is null and its
-        error is kept, so the columns that did decode (the key, say) are not lost."""
+        error is kept, so the columns that did decode (the key, say) are not lost. A body
+        field with a value but no column is an error too (its value would vanish)."""
         try:
             obj = _json_object(body)
         except SerializationError as exc:
@@ -165,11 +166,23 @@ class RowCodec:
             except Exception as exc:  # any other failure stays with its column too
                 values.append(None)
                 errors[name] = f"column {name!r}: {type(exc).__name__}: {exc}"
+        known = set(self.names)
+        for name, value in obj.items():  # a value the schema has no column for would be lost
+            if value is not None and name not in known:
+                errors[name] = (
+                    f"body field {name!r}: has a value ({_excerpt(value)}) but the schema has "
+                    "no such column (renamed or dropped while the row waited?)"
+                )
         return DecodedRow(tuple(values), errors)
 
     def decode_dict(self, body: bytes | str) -> dict[str, Any]:
         """One encoded row as ``{column: value}``."""
         return dict(zip(self.names, self.decode(body), strict=True))
+
+
+def _excerpt(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _json_object(body: bytes | str) -> dict[str, Any]:

@@ -95,6 +95,35 @@ def test_retries_that_no_longer_fit_the_schema_are_dead_lettered_and_the_rest_fl
     assert RetryEngine(config, client=real_redis).pending() == 0
 
 
+def test_a_retry_whose_value_has_no_column_any_more_is_dead_lettered_not_dropped(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The job renamed ``amount`` to ``amount_cents`` while rows waited for a retry. A row
+    with an amount used to reach the sink with ``amount_cents`` null and its amount gone."""
+    config = config_for(tmp_path, redis_server.url, "renamed")
+    first = exactly_once(key="order_id", config=config, client=real_redis)(Keeper(failing=True))
+    first.query_id = "before"
+    failed = spark.createDataFrame([("A", 7), ("B", None)], "order_id string, amount int")
+    assert first.process(failed, 0).failed == 2
+    _wait_until_due(config, real_redis)
+
+    after = st.StructType(
+        [
+            st.StructField("order_id", st.StringType()),
+            st.StructField("amount_cents", st.IntegerType()),
+        ]
+    )
+    keeper, _ = _drain_retries(spark, config, real_redis, after, tmp_path / "checkpoint")
+
+    assert [(r["order_id"], r["amount_cents"]) for r in keeper.rows] == [("B", None)]
+    [letter] = dead_letters(config)
+    assert letter.key == "A"
+    assert "body field 'amount': has a value (7) but the schema has no such column" in (
+        letter.last_error or ""
+    )
+    assert b'"amount":7' in letter.body
+
+
 def test_a_retry_without_a_value_for_a_column_that_is_not_nullable_is_dead_lettered(
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
