@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
+from typing import Any
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
-from redis.connection import parse_url
+from redis.connection import Connection, ConnectionPool, parse_url
 from redis.retry import Retry
 
 from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
@@ -81,7 +83,36 @@ def _options_problem(scheme: str, rest: str) -> str | None:
         return str(exc).rstrip(".")
     if scheme in CLUSTER_SCHEMES and options.get("db", 0) != 0:
         return f"a Redis Cluster has only database 0, the URL names {options['db']}"
+    return _query_problem(options, cluster=scheme in CLUSTER_SCHEMES)
+
+
+def _query_problem(options: dict[str, Any], *, cluster: bool) -> str | None:
+    """A query argument no connection takes (redis-py passes it on: a ``TypeError`` at the
+    first command), or a negative time-out (a ``ValueError`` then)."""
+    kind = options.get("connection_class", Connection)
+    known = _init_parameters(kind) | _init_parameters(ConnectionPool) | {"connection_class"}
+    if cluster:
+        known |= _init_parameters(RedisCluster)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        return f"query argument {unknown[0]!r} is not a Redis connection option"
+    for name in _NON_NEGATIVE:
+        value = options.get(name)
+        if isinstance(value, float) and not value >= 0:
+            return f"query argument {name!r}: {value:g} must be >= 0 seconds"
     return None
+
+
+_NON_NEGATIVE = ("socket_timeout", "socket_connect_timeout", "health_check_interval")
+
+
+def _init_parameters(kind: type) -> set[str]:
+    names: set[str] = set()
+    for klass in kind.__mro__:  # SSLConnection passes **kwargs on to Connection
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names |= set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
+    return names
 
 
 def _unix_problem(parts: SplitResult) -> str | None:

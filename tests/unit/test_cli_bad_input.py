@@ -35,6 +35,9 @@ BAD_URLS = [
     ("redis://127.0.0.1:6379/1/2", "database '1/2' (the URL's path) is not a whole number"),
     ("redis://127.0.0.1:6379?db=x", "Invalid value for 'db' in connection URL"),
     ("redis+cluster://node-1:7000?db=2", "a Redis Cluster has only database 0, the URL names 2"),
+    # redis-py passed these on: a TypeError / ValueError at the first command
+    ("redis://127.0.0.1:6379/0?foo=bar", "query argument 'foo' is not a Redis connection option"),
+    ("redis://127.0.0.1:6379/0?socket_timeout=-1", "query argument 'socket_timeout': -1 must be"),
     ("unix://", "a unix:// URL needs the socket's path"),
     ("http://x", "'http://x' must start with redis://"),
     ("", "'' must start with redis://"),
