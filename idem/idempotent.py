@@ -38,9 +38,7 @@ KeySource = str | Callable[..., object]
 def _resolve_path(arguments: Mapping[str, object], path: str) -> object:
     head, *rest = path.split(".")
     if head not in arguments:
-        raise ConfigError(
-            f"key: {path!r} names the argument {head!r}, which the function does not take"
-        )
+        raise ConfigError(f"key: {path!r} names the argument {head!r}, which this call lacks")
     value = arguments[head]
     for part in rest:
         value = value.get(part) if isinstance(value, Mapping) else getattr(value, part, None)
@@ -97,8 +95,17 @@ def idempotent(
     """
     if (config is None) == (dedup is None):
         raise ConfigError("idempotent: pass exactly one of config= or dedup=")
+    if not (callable(key) or (isinstance(key, str) and key.strip(". "))):
+        raise ConfigError(
+            f"key: expected a dotted path into the arguments (e.g. 'order.order_id') or a "
+            f"callable, got {key!r}"
+        )
     if on_mismatch is not None:
-        on_mismatch = MismatchPolicy(on_mismatch)
+        try:
+            on_mismatch = MismatchPolicy(on_mismatch)
+        except ValueError:
+            allowed = ", ".join(m.value for m in MismatchPolicy)
+            raise ConfigError(f"on_mismatch: {on_mismatch!r} is not one of {allowed}") from None
         if on_mismatch is MismatchPolicy.DEAD_LETTER and on_dead_letter is None:
             raise ConfigError("on_mismatch='dead_letter' needs on_dead_letter= to receive calls")
     settings = _Settings(
@@ -151,6 +158,16 @@ class _IdempotentCall(Generic[R]):
         name = settings.pass_key_as
         if name is not None and name not in self.signature.parameters:
             raise ConfigError(f"pass_key_as: {func.__qualname__} has no parameter {name!r}")
+        params = self.signature.parameters
+        self.defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+        if isinstance(settings.key, str):
+            head = settings.key.split(".")[0]
+            takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+            if head not in params and not takes_any:
+                raise ConfigError(
+                    f"key: {settings.key!r} names the argument {head!r}, which "
+                    f"{func.__qualname__} does not take"
+                )
 
     def dedup(self) -> Dedup:
         if self.s.dedup is None:
@@ -162,7 +179,11 @@ class _IdempotentCall(Generic[R]):
         bound = self.signature.bind_partial(*args, **kwargs)
         arguments = {k: v for k, v in bound.arguments.items() if k != self.s.pass_key_as}
         key = self.s.key
-        raw = key(*args, **kwargs) if callable(key) else _resolve_path(arguments, key)
+        raw = (
+            key(*args, **kwargs)
+            if callable(key)
+            else _resolve_path({**self.defaults, **arguments}, key)
+        )
         payload = self.s.fingerprint_of(*args, **kwargs) if self.s.fingerprint_of else arguments
         printed = fingerprint(_to_json(payload, what="payload"))
         dd = self.dedup()

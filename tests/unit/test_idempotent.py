@@ -145,6 +145,41 @@ def test_misconfiguration_is_refused() -> None:
         idempotent(key="x", config=IdemConfig(group="g"), pass_key_as="nope")(lambda x: x)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        # a plain ValueError: 'drop' is not a valid MismatchPolicy
+        ({"key": "x", "on_mismatch": "drop"}, "on_mismatch: 'drop' is not one of accept, warn"),
+        # failed at the first call: 'int' object has no attribute 'split'
+        ({"key": 5}, "key: expected a dotted path into the arguments .* got 5"),
+        ({"key": None}, "key: expected a dotted path .* got None"),
+        ({"key": ""}, "key: expected a dotted path .* got ''"),
+        # failed at the first call, and said so of every call
+        ({"key": "order.order_id"}, "key: 'order.order_id' names the argument 'order', which"),
+    ],
+    ids=["on-mismatch", "key-int", "key-none", "key-empty", "key-no-such-argument"],
+)
+def test_a_bad_decorator_setting_is_refused_when_decorating(
+    dedup: Dedup, settings: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        idempotent(dedup=dedup, **settings)(lambda payment: payment)  # type: ignore[arg-type]
+
+
+def test_a_key_in_a_defaulted_argument_is_read_from_the_default(dedup: Dedup) -> None:
+    """Before, a call leaning on the default was told the function 'does not take' it."""
+    calls: list[str] = []
+
+    @idempotent(key="order.order_id", dedup=dedup)
+    def charge(order: Order = Order("ORDERID_1", 5)) -> str:  # noqa: B008 - a fixed test default
+        calls.append(order.order_id)
+        return "charged"
+
+    assert charge() == "charged"
+    assert charge() is None
+    assert calls == ["ORDERID_1"]
+
+
 def test_an_async_function_is_refused_instead_of_completed_before_it_runs(dedup: Dedup) -> None:
     with pytest.raises(ConfigError, match="charge is async"):
 
