@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from idem.errors import LedgerError
+from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import datetime_of_ms
 from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
 from idem.retry.engine import RetryEngine
@@ -50,6 +50,13 @@ class Selection:
     msg_ids: tuple[str, ...] = ()
     everything: bool = False
     include_replayed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.everything and (self.keys or self.msg_ids):
+            raise ConfigError(
+                "--all: selects every dead letter, so it cannot be combined with --key or "
+                "--msg-id; name the rows, or pass --all alone"
+            )
 
     def matches(self, letter: DeadLetter) -> bool:
         """Whether ``letter`` is selected."""

@@ -161,6 +161,42 @@ def test_a_dlq_replay_that_cannot_store_its_messages_is_exit_1_saying_so(
     assert "idem: error: replay: 1 message(s) could not be stored; run it again" in err
 
 
+@pytest.mark.parametrize("action", ["discard", "replay"])
+def test_dlq_all_with_a_key_is_refused_and_touches_nothing(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    """``discard --all --key K`` discarded every dead letter, not K's: --all won silently."""
+    config = IdemConfig(group=f"pick-{action}", redis_url=redis_server.url, data_dir=str(tmp_path))
+    engine = RetryEngine(config, client=redis_server.client())
+    dead = [
+        MessageExt(
+            topic="orders",
+            msg_id=f"M{k}",
+            body=b"{}",
+            keys=k,
+            queue_id=0,
+            queue_offset=0,
+            born_timestamp=0,
+            store_timestamp=0,
+            reconsume_times=0,
+            properties={},
+        )
+        for k in ("A", "B", "C")
+    ]
+    assert engine.send_back(dead, delay_level=-1).acknowledged
+    code, err = _run(
+        capsys, "dlq", action, "--all", "--key", "A", "--group", config.group,
+        "--redis-url", redis_server.url, "--data-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 2
+    assert "--all: selects every dead letter, so it cannot be combined with --key" in err
+    assert sorted((d.key, d.status.value) for d in engine.dlq.list()) == [
+        ("A", "DEAD"),
+        ("B", "DEAD"),
+        ("C", "DEAD"),
+    ]
+
+
 @pytest.mark.parametrize("limit", ["-1", "-3", "many"])
 def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
     capsys: pytest.CaptureFixture[str], limit: str
