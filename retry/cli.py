@@ -22,6 +22,7 @@ from dataclasses import asdict
 from types import FrameType
 from typing import Any
 
+from idem.cli import EXIT_INTERRUPTED
 from idem.cli_args import check_not_a_file, path_flag, positive_int, redis_url
 from idem.config import IdemConfig
 from idem.redis_client import redacted
@@ -97,8 +98,8 @@ def _schedule(args: argparse.Namespace) -> int:
                 )
                 code = 1
                 break
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # stopped cleanly, but by Ctrl-C: 130, as every idem command
+        code = EXIT_INTERRUPTED
     finally:
         service.stop()
         print(f"idem schedule: moved {service.moved_total} message(s)", file=sys.stderr)

@@ -181,10 +181,19 @@ def test_a_dead_consumers_messages_are_reclaimed(
     _assert_invariant(engine, {"M0", "M1", "M2"}, {"M0", "M1", "M2"})
 
 
+@pytest.mark.parametrize(
+    ("stop", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["sigterm", "sigint"]
+)
 def test_idem_schedule_command_runs_until_terminated(
-    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    stop: signal.Signals,
+    code: int,
 ) -> None:
-    config = _config(tmp_path, redis_server, "CID_cli", delay_levels="100ms 200ms")
+    """A stop is clean either way; Ctrl-C (SIGINT) is exit 130 as for every idem command
+    (the schedule service answered 0)."""
+    config = _config(tmp_path, redis_server, f"CID_cli_{code}", delay_levels="100ms 200ms")
     engine = RetryEngine(config)
     command = [
         sys.executable,
@@ -207,9 +216,9 @@ def test_idem_schedule_command_runs_until_terminated(
             delivered += batch
             engine.ack(batch)
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
         _out, err = process.communicate(timeout=20)
-    assert process.returncode == 0, err
+    assert process.returncode == code, err
     assert "moved 50 message(s)" in err
     assert sorted(m.origin_msg_id for m in delivered) == sorted(f"M{i}" for i in range(50))
     assert idem_main(["retry", "stats", *_cli_args(config, redis_server, tmp_path)]) == 0
