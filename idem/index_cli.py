@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
+from idem.cli import EXIT_ERROR
 from idem.cli_args import check_table_path, path_flag, redis_url, with_ledger_buckets
 from idem.config import IdemConfig
 from idem.dedup import Dedup
@@ -38,11 +40,14 @@ def _status(args: argparse.Namespace) -> int:
     version = dd.ledger.version()
     marks = hot.watermarks()
     held = hot.held_keys()
-    behind = 0
+    behind = ahead = 0
     for bucket in range(hot.buckets):
         mark = marks[bucket]
         state = "missing" if mark is None else ("behind" if mark < version else "current")
-        behind += state != "current"
+        if mark is not None and mark > version:
+            state = "ahead"
+            ahead += 1
+        behind += state in ("missing", "behind")
         print(
             json.dumps(
                 {"bucket": bucket, "indexed_version": mark, "keys": held[bucket], "state": state}
@@ -53,11 +58,26 @@ def _status(args: argparse.Namespace) -> int:
         f"{sum(held.values())} completed key(s) held, {behind} of {hot.buckets} bucket(s) "
         "to catch up or rebuild"
     )
+    if ahead:
+        print(
+            f"idem index status: {ahead} bucket(s) indexed versions past this ledger's "
+            f"({version}): Redis indexes another table, or this one was replaced. A Delta "
+            f"sink's table is its own ledger: pass --ledger-path TABLE "
+            f"(this one is {dd.ledger.path})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     return 0
 
 
 def _rebuild(args: argparse.Namespace) -> int:
     dd, hot = _dedup(args)
+    if dd.ledger.version() < 0:  # nothing to load; and --all would drop the real marks
+        print(
+            f"idem index rebuild: no ledger at {dd.ledger.path} yet, nothing to rebuild from "
+            "(a Delta sink's table is its own ledger: pass --ledger-path TABLE)"
+        )
+        return 0
     if args.all:
         for bucket in range(hot.buckets):
             hot.drop_watermark(bucket)

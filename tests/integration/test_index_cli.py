@@ -85,3 +85,33 @@ def test_the_maintenance_commands_take_the_bucket_count_the_ledger_records(
     assert (report["rebuilt_buckets"], report["rebuilt_keys"]) == (4, 200)
     claim = Dedup(config).begin(keys, owner="batch-2")
     assert len(claim.duplicates) == 200
+
+
+def test_pointed_at_the_wrong_ledger_status_says_ahead_and_rebuild_drops_nothing(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Delta sink's table is its group's ledger; the default path holds none. ``status``
+    called the buckets 'current' (Redis had indexed version 0 of a ledger at version -1),
+    and ``rebuild --all`` dropped every watermark and rebuilt from nothing."""
+    sink = tmp_path / "orders-table"
+    config = IdemConfig(
+        group="sinked", redis_url=redis_server.url, data_dir=str(tmp_path), ledger_path=str(sink)
+    )
+    dd = Dedup(config)
+    dd.complete(dd.begin(["A", "B"], owner="batch-1"), batch_id=1, app_id="test")
+    common = ("--group", "sinked", "--redis-url", redis_server.url, "--data-dir", str(tmp_path))
+
+    assert main(["index", "status", *common]) == 1
+    out, err = capsys.readouterr()
+    states = {json.loads(line)["state"] for line in out.splitlines() if line.startswith("{")}
+    assert "ahead" in states
+    assert "A Delta sink's table is its own ledger: pass --ledger-path TABLE" in err
+    code, reports = _run(capsys, "index", "rebuild", "--all", *common)
+    assert (code, reports) == (0, [])
+    code, buckets = _run(capsys, "index", "status", *common, "--ledger-path", str(sink))
+    assert code == 0
+    assert sum(int(str(b["keys"])) for b in buckets) == 2
+    assert {b["state"] for b in buckets} <= {"current", "missing"}
