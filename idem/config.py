@@ -236,5 +236,8 @@ class IdemConfig:
                 values[f.name] = raw
         values.update(overrides)
         if "group" not in values:
-            raise ConfigError("group: not set (pass group=... or set IDEM_GROUP)")
+            raise ConfigError(
+                "group: not set (--group G on the command line, group=... in Python, or the "
+                "IDEM_GROUP environment variable)"
+            )
         return cls(**values)

@@ -116,6 +116,16 @@ def test_a_bad_setting_is_exit_2_from_every_subcommand(
     assert (code, _one_error_line(err)[:30]) == (2, "idem: error: group: 'no spaces")
 
 
+@pytest.mark.parametrize("argv", EVERY_GROUP_COMMAND[:3], ids=" ".join)  # retry, dlq: argparse
+def test_a_missing_group_is_exit_2_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+) -> None:
+    """It said ``pass group=...``: Python's spelling, to someone at a shell."""
+    code, err = _exit(capsys, [*argv, "--data-dir", str(tmp_path)])
+    assert code == 2
+    assert _one_error_line(err).startswith("idem: error: group: not set (--group G on the ")
+
+
 @pytest.mark.parametrize("argv", [a for a in EVERY_GROUP_COMMAND if a[0] != "ledger"], ids=" ".join)
 def test_an_unreachable_redis_is_exit_3_from_every_subcommand(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, nowhere: str, argv: list[str]
