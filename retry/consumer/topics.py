@@ -263,9 +263,24 @@ class TopicStore:
         return _offset_of(info["last-generated-id"]) + 1
 
     def min_offset(self, mq: MessageQueue) -> int:
-        """The offset of the oldest message still stored in ``mq``."""
-        first = self.client.xrange(self.queue_key(mq), count=1)
-        return _offset_of(first[0][0]) if first else self.max_offset(mq)
+        """The offset of the oldest message still stored in ``mq`` (of an empty queue: the
+        offset its next message will get).
+
+        One snapshot (``MULTI``): read apart, a message added between "empty" and "the next
+        offset" made the minimum pass that message, and a consumer reset there skipped it.
+        """
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xrange(self.queue_key(mq), count=1)
+        pipe.xinfo_stream(self.queue_key(mq))
+        first, info = pipe.execute(raise_on_error=False)
+        if isinstance(first, list) and first:
+            return _offset_of(first[0][0])
+        if isinstance(info, Exception):  # no stream: nothing was ever stored
+            return 0
+        # a Cluster's transaction leaves the reply raw: pairs, or a dict of bytes
+        pairs = info.items() if isinstance(info, dict) else zip(info[::2], info[1::2], strict=True)
+        fields = {_text(k): v for k, v in pairs}
+        return _offset_of(fields["last-generated-id"]) + 1
 
     def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms`` (``searchOffset``; bisection)."""

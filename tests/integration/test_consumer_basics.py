@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis_backends import RealRedis
 from waiting import FAST, eventually
 
 from idem.clock import ManualClock
@@ -577,3 +578,20 @@ def test_the_consumers_max_reconsume_times_applies_to_a_concurrent_listener(
     assert (letter.key, letter.reconsume_times) == ("K", 0)
     time.sleep(1.5)  # a retry would be due after the 1 s level
     assert [m.reconsume_times for m in got.seen] == [0]
+
+
+def test_the_oldest_offset_of_a_queue_is_read_in_one_snapshot(real_backend: RealRedis) -> None:
+    """An empty queue's minimum is the offset its next message gets. It was read in two
+    steps (no oldest entry, then the next offset): a message stored between them got an
+    offset below the answer, and a consumer reset to it skipped the message (seen in CI:
+    ``pull offset 2 is outside [1, 1]; resetting to 1``, and NEW2 never arrived)."""
+    topics = TopicStore(real_backend.client)
+    topics.create_topic("bounds", 1)
+    mq = MessageQueue("bounds", 0)
+    assert (topics.min_offset(mq), topics.max_offset(mq)) == (0, 0)  # never written
+    topics.put(mq, [new_message("bounds", b"{}", keys=f"K{i}") for i in range(3)])
+    assert (topics.min_offset(mq), topics.max_offset(mq)) == (0, 3)
+    real_backend.client.xtrim(TopicStore.queue_key(mq), maxlen=0)  # emptied, ids kept
+    assert (topics.min_offset(mq), topics.max_offset(mq)) == (3, 3)
+    real_backend.client.delete(TopicStore.queue_key(mq))  # the broker lost the queue
+    assert (topics.min_offset(mq), topics.max_offset(mq)) == (0, 0)
