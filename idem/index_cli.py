@@ -40,17 +40,18 @@ def _status(args: argparse.Namespace) -> int:
     version = dd.ledger.version()
     marks = hot.watermarks()
     held = hot.held_keys()
-    behind = ahead = 0
-    for bucket in range(hot.buckets):
-        mark = marks[bucket]
-        state = "missing" if mark is None else ("behind" if mark < version else "current")
-        if mark is not None and mark > version:
-            state = "ahead"
-            ahead += 1
-        behind += state in ("missing", "behind")
+    states = [_state(marks[bucket], version) for bucket in range(hot.buckets)]
+    behind = sum(state in ("missing", "behind") for state in states)
+    ahead = states.count("ahead")
+    for bucket, state in enumerate(states):
         print(
             json.dumps(
-                {"bucket": bucket, "indexed_version": mark, "keys": held[bucket], "state": state}
+                {
+                    "bucket": bucket,
+                    "indexed_version": marks[bucket],
+                    "keys": held[bucket],
+                    "state": state,
+                }
             )
         )
     print(
@@ -68,6 +69,15 @@ def _status(args: argparse.Namespace) -> int:
         )
         return EXIT_ERROR
     return 0
+
+
+def _state(mark: int | None, version: int) -> str:
+    """A bucket's index against the ledger: ``ahead`` means another ledger was indexed."""
+    if mark is None:
+        return "missing"
+    if mark < version:
+        return "behind"
+    return "ahead" if mark > version else "current"
 
 
 def _rebuild(args: argparse.Namespace) -> int:

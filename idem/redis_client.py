@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -106,13 +107,14 @@ def _query_problem(options: dict[str, Any], *, cluster: bool) -> str | None:
 _NON_NEGATIVE = ("socket_timeout", "socket_connect_timeout", "health_check_interval")
 
 
-def _init_parameters(kind: type) -> set[str]:
+@functools.cache
+def _init_parameters(kind: type) -> frozenset[str]:
     names: set[str] = set()
     for klass in kind.__mro__:  # SSLConnection passes **kwargs on to Connection
         init = klass.__dict__.get("__init__")
         if init is not None:
             names |= set(inspect.signature(init).parameters) - {"self", "args", "kwargs"}
-    return names
+    return frozenset(names)
 
 
 def _unix_problem(parts: SplitResult) -> str | None:

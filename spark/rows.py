@@ -98,6 +98,7 @@ class RowCodec:
             raise SerializationError(f"schema: expected a StructType, got {type(schema).__name__}")
         self.schema = schema
         self.names: tuple[str, ...] = tuple(schema.fieldNames())
+        self._known = frozenset(self.names)
         codecs = [_codec(f.dataType, f.name) for f in schema.fields]
         self._encoders = [encode for encode, _ in codecs]
         self._decoders = [decode for _, decode in codecs]
@@ -166,9 +167,8 @@ class RowCodec:
             except Exception as exc:  # any other failure stays with its column too
                 values.append(None)
                 errors[name] = f"column {name!r}: {type(exc).__name__}: {exc}"
-        known = set(self.names)
         for name, value in obj.items():  # a value the schema has no column for would be lost
-            if value is not None and name not in known:
+            if value is not None and name not in self._known:
                 errors[name] = (
                     f"body field {name!r}: has a value ({_excerpt(value)}) but the schema has "
                     "no such column (renamed or dropped while the row waited?)"

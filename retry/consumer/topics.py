@@ -86,6 +86,14 @@ def _offset_of(entry_id: Any) -> int:
     return int(_text(entry_id).split("-", 1)[1]) - 1
 
 
+def _next_offset(info: Any) -> int:
+    """The offset after a stream's last generated id, from an ``XINFO STREAM`` reply (a
+    Cluster's transaction leaves it raw: pairs, or a dict of bytes)."""
+    pairs = info.items() if isinstance(info, dict) else zip(info[::2], info[1::2], strict=True)
+    fields = {_text(k): v for k, v in pairs}
+    return _offset_of(fields["last-generated-id"]) + 1
+
+
 class TopicStore:
     """Topics, their queues, and the messages in them (the broker's side)."""
 
@@ -260,7 +268,7 @@ class TopicStore:
             info = self.client.xinfo_stream(self.queue_key(mq))
         except redis.ResponseError:
             return 0
-        return _offset_of(info["last-generated-id"]) + 1
+        return _next_offset(info)
 
     def min_offset(self, mq: MessageQueue) -> int:
         """The offset of the oldest message still stored in ``mq`` (of an empty queue: the
@@ -277,10 +285,7 @@ class TopicStore:
             return _offset_of(first[0][0])
         if isinstance(info, Exception):  # no stream: nothing was ever stored
             return 0
-        # a Cluster's transaction leaves the reply raw: pairs, or a dict of bytes
-        pairs = info.items() if isinstance(info, dict) else zip(info[::2], info[1::2], strict=True)
-        fields = {_text(k): v for k, v in pairs}
-        return _offset_of(fields["last-generated-id"]) + 1
+        return _next_offset(info)
 
     def search_offset(self, mq: MessageQueue, timestamp_ms: int) -> int:
         """The first offset stored at or after ``timestamp_ms`` (``searchOffset``; bisection)."""
