@@ -408,15 +408,26 @@ class RetryEngine:
         *,
         reason: str | None = None,
         errors: Mapping[str, str | BaseException] | None = None,
+        reasons: Mapping[str, str] | None = None,
         app_id: str | None = None,
         txn_version: int | None = None,
     ) -> SendBackResult:
-        """Dead-letter ``messages`` now (delay level -1), e.g. bad input naming the field."""
+        """Dead-letter ``messages`` now (delay level -1), e.g. bad input naming the field.
+
+        The DLQ row's reason is the policy's ("dead-letter requested" with the error)
+        unless ``reasons`` maps the message's msg id to one, e.g. a limit the caller
+        applied itself (an orderly queue's reconsume limit).
+        """
         if errors is None and reason is not None:
             errors = {m.msg_id: reason for m in messages}
-        return self.send_back(
-            messages, delay_level=-1, errors=errors, app_id=app_id, txn_version=txn_version
-        )
+        errors, reasons = errors or {}, reasons or {}
+        decisions = [
+            self.processor.process(
+                m, delay_level=-1, error=errors.get(m.msg_id), reason=reasons.get(m.msg_id)
+            )
+            for m in messages
+        ]
+        return self._send(decisions, app_id=app_id, txn_version=txn_version)
 
     # -- journal <-> Redis ---------------------------------------------------------------
 

@@ -128,8 +128,13 @@ class SendBackProcessor:
         *,
         delay_level: int = 0,
         error: str | BaseException | None = None,
+        reason: str | None = None,
     ) -> SendBackDecision:
-        """Decide where ``message`` goes after a failed consume."""
+        """Decide where ``message`` goes after a failed consume.
+
+        ``reason``, when the message is dead-lettered, is the DLQ row's reason in
+        place of the policy's (the caller knows why better, e.g. a limit it applied).
+        """
         now = self.clock.now_ms()
         failure = FailureRecord.of(error, now)
         state = DeliveryState(
@@ -143,7 +148,8 @@ class SendBackProcessor:
         )
         decision = self.policy(state)
         if decision.delay is None:
-            return self._dead(message, with_failure(message, failure), decision.reason, now)
+            why = decision.reason if reason is None else reason
+            return self._dead(message, with_failure(message, failure), why, now)
 
         delay = decision.delay
         due = now + delay.delay_ms

@@ -274,7 +274,7 @@ class OrderlyService:
             log.warning("orderly: %d message(s) reached max reconsume times; dropped", len(dead))
             self.rt.stats.add(broadcast_dropped=len(dead))
             return True
-        reasons = {
+        errors = {
             m.msg_id: (
                 result.failed[i].reason
                 if i in result.failed
@@ -282,9 +282,16 @@ class OrderlyService:
             )
             for i, m in enumerate(messages)
         }
+        limit = self.rt.max_reconsume_times
         try:
             outcome = self.rt.engine.dead_letter(
-                dead, errors={m.msg_id: reasons.get(m.msg_id, "") for m in dead}
+                dead,
+                errors={m.msg_id: errors.get(m.msg_id, "") for m in dead},
+                reasons={  # out of local retries: the limit, not "dead-letter requested"
+                    m.msg_id: f"reconsume times reached max ({limit})"
+                    for i, m in enumerate(messages)
+                    if i not in result.dead and m.reconsume_times >= limit
+                },
             )
         except Exception:
             log.exception("orderly: dead-lettering failed; suspending the queue")

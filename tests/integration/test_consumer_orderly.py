@@ -152,6 +152,8 @@ def test_order_kept_across_a_suspended_message(real_backend: RealRedis, tmp_path
     letter = dlq.list()[0]
     assert letter.key == POISON
     assert letter.reconsume_times == 3
+    # it ran out of local retries; it did not ask to be dead-lettered
+    assert letter.reason == "reconsume times reached max (3)"
     assert len(sink.attempts[POISON]) == 4  # first try + 3 local retries
 
 
@@ -233,6 +235,7 @@ def test_a_bad_suspend_time_from_the_listener_retries_then_dead_letters_naming_i
         consumer.shutdown()
     assert seen == [("VICTIM", 0), ("VICTIM", 1), ("VICTIM", 2), ("NEXT", 0)]
     assert letter.key == "VICTIM"
+    assert letter.reason == "reconsume times reached max (2)"
     assert letter.last_error is not None
     assert (
         "ConfigError: suspend_current_queue_time_millis: None is not a whole number"
