@@ -240,6 +240,10 @@ class DeadLetterTable:
         """The table's name, ``%DLQ%<group>``."""
         return dlq_topic(self.group)
 
+    def exists(self) -> bool:
+        """Whether the table is there (it is created by the group's first dead letter)."""
+        return bool(DeltaTable.is_deltatable(self.path, storage_options=self.storage_options))
+
     def _open(self) -> DeltaTable:
         """The existing table at ``path``, refused if it is another group's."""
         table = DeltaTable(self.path, storage_options=self.storage_options)
@@ -252,7 +256,7 @@ class DeadLetterTable:
         return table
 
     def _table(self, *, create: bool) -> DeltaTable | None:
-        if DeltaTable.is_deltatable(self.path, storage_options=self.storage_options):
+        if self.exists():
             return self._open()
         if not create:
             return None

@@ -236,13 +236,24 @@ def _selection(args: argparse.Namespace) -> Selection:
 
 def _dlq_ls(args: argparse.Namespace) -> int:
     engine = _engine(args)
+    if not engine.dlq.exists():
+        # a typo in --group or --data-dir must not read as "nothing dead-lettered"
+        print(
+            f"%DLQ%{engine.group}: no table at {engine.dlq.path} (nothing dead-lettered in "
+            f"this group yet; check {path_flag(args, 'dlq_path')} and --group)",
+            file=sys.stderr if args.json else sys.stdout,
+        )
+        return EXIT_OK
     status = None if args.status == "all" else DeadLetterStatus(args.status.upper())
     letters = engine.dlq.list(status=status, limit=args.limit or None)
     if args.json:
         if letters:
             print(dumps(describe(d) for d in letters))
         return EXIT_OK
-    print(f"%DLQ%{engine.group}: {len(letters)} row(s) shown (status {args.status})")
+    print(
+        f"%DLQ%{engine.group} at {engine.dlq.path}: {len(letters)} row(s) shown "
+        f"(status {args.status})"
+    )
     for line in format_rows(letters):
         print(line)
     return EXIT_OK

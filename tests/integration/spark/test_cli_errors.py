@@ -22,6 +22,13 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def _message(msg_id: str, key: str, body: bytes = b"{}") -> MessageExt:
+    return MessageExt(
+        topic="orders", msg_id=msg_id, body=body, keys=key, queue_id=0, queue_offset=0,
+        born_timestamp=0, store_timestamp=0, reconsume_times=0, properties={},
+    )  # fmt: skip
+
+
 def test_a_missing_source_directory_is_exit_2_naming_the_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,10 +153,7 @@ def test_a_dlq_replay_that_cannot_store_its_messages_is_exit_1_saying_so(
 ) -> None:
     config = IdemConfig(group="unstored", redis_url=redis_server.url, data_dir=str(tmp_path))
     engine = RetryEngine(config, client=redis_server.client())
-    dead = MessageExt(
-        topic="orders", msg_id="M" * 32, body=b'{"order_id":"A"}', keys="A", queue_id=0,
-        queue_offset=0, born_timestamp=0, store_timestamp=0, reconsume_times=0, properties={},
-    )  # fmt: skip
+    dead = _message("M" * 32, "A", b'{"order_id":"A"}')
     assert engine.send_back([dead], delay_level=-1).acknowledged
     blocked = tmp_path / "not-a-directory"
     blocked.write_text("", encoding="utf-8")  # the journal cannot live under a file
@@ -168,21 +172,7 @@ def test_dlq_all_with_a_key_is_refused_and_touches_nothing(
     """``discard --all --key K`` discarded every dead letter, not K's: --all won silently."""
     config = IdemConfig(group=f"pick-{action}", redis_url=redis_server.url, data_dir=str(tmp_path))
     engine = RetryEngine(config, client=redis_server.client())
-    dead = [
-        MessageExt(
-            topic="orders",
-            msg_id=f"M{k}",
-            body=b"{}",
-            keys=k,
-            queue_id=0,
-            queue_offset=0,
-            born_timestamp=0,
-            store_timestamp=0,
-            reconsume_times=0,
-            properties={},
-        )
-        for k in ("A", "B", "C")
-    ]
+    dead = [_message(f"M{k}", k) for k in ("A", "B", "C")]
     assert engine.send_back(dead, delay_level=-1).acknowledged
     code, err = _run(
         capsys, "dlq", action, "--all", "--key", "A", "--group", config.group,
@@ -206,6 +196,30 @@ def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
         main(["dlq", "ls", "--group", "g", "--limit", limit])
     assert exit_.value.code == 2
     assert f"--limit: {limit!r} is not a whole number >= 0" in capsys.readouterr().err
+
+
+def test_dlq_ls_where_no_table_is_says_where_it_looked(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in --group or --data-dir printed an empty listing, as if nothing had died."""
+    config = IdemConfig(group="ledgered", redis_url=redis_server.url, data_dir=str(tmp_path))
+    engine = RetryEngine(config, client=redis_server.client())
+    assert engine.dead_letter([_message("M1", "A")], reason="bad").acknowledged
+    common = ["--redis-url", redis_server.url, "--data-dir", str(tmp_path)]
+
+    assert main(["dlq", "ls", "--group", "ledgerd", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"%DLQ%ledgerd: no table at {tmp_path / 'ledgerd' / 'dlq'}" in out
+    assert "check --data-dir and --group" in out
+    assert main(["dlq", "ls", "--group", "ledgerd", "--json", *common]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "no table at" in captured.err
+
+    assert main(["dlq", "ls", "--group", "ledgered", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"%DLQ%ledgered at {tmp_path / 'ledgered' / 'dlq'}: 1 row(s) shown" in out
+    assert "bad" in out
 
 
 def test_files_with_no_rows_or_no_key_field_leave_no_schema_behind(
