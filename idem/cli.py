@@ -23,6 +23,7 @@ from typing import Protocol, cast
 
 import redis
 
+from idem.cli_args import in_flags
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 
 LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli")
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except IdemError as exc:
-        print(f"idem: error: {exc}", file=sys.stderr)
+        print(f"idem: error: {in_flags(args, exc)}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,6 +47,23 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
     return value
+
+
+_SETTING = re.compile(r"([a-z][a-z_]*): ")
+
+
+def in_flags(args: argparse.Namespace, error: Exception) -> str:
+    """``error``'s message as a shell user reads it: a setting given as a flag is named
+    by its flag (``delay_levels: ...`` becomes ``--delay-levels: ...``); a setting that
+    came from ``IDEM_*`` or its default keeps its own name."""
+    message = str(error)
+    found = _SETTING.match(message)
+    if not isinstance(error, ConfigError) or found is None:
+        return message
+    setting = found.group(1)
+    if getattr(args, setting, None) is None:
+        return message
+    return f"--{setting.replace('_', '-')}: {message[found.end() :]}"
 
 
 def with_ledger_buckets(config: IdemConfig) -> IdemConfig:

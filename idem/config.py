@@ -234,10 +234,17 @@ class IdemConfig:
                     raise ConfigError(f"{variable}: {raw!r} is not a whole number") from None
             else:
                 values[f.name] = raw
+        from_env = set(values) - set(overrides)
         values.update(overrides)
         if "group" not in values:
             raise ConfigError(
                 "group: not set (--group G on the command line, group=... in Python, or the "
                 "IDEM_GROUP environment variable)"
             )
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # name the variable a bad value came from
+            setting, sep, rest = str(exc).partition(": ")
+            if sep and setting in from_env:
+                raise ConfigError(f"IDEM_{setting.upper()}: {rest}") from None
+            raise

@@ -27,6 +27,7 @@ from idem.cli_args import (
     check_not_a_file,
     check_writable_dir,
     check_writable_file,
+    in_flags,
     path_flag,
     redis_url,
 )
@@ -317,7 +318,7 @@ def _guarded(handler: Any) -> Any:
         try:
             return int(handler(args))
         except IdemError as exc:
-            return _fail(exit_code(exc), str(exc))
+            return _fail(exit_code(exc), in_flags(args, exc))
 
     return run
 

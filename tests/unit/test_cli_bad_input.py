@@ -108,12 +108,13 @@ EVERY_GROUP_COMMAND = [
 def test_a_bad_setting_is_exit_2_from_every_subcommand(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, nowhere: str, argv: list[str]
 ) -> None:
-    """``ledger``, ``index`` and ``retry`` answered a bad setting with 1, ``run``/``dlq`` with 2."""
+    """``ledger``, ``index`` and ``retry`` answered a bad setting with 1, ``run``/``dlq`` with 2;
+    the message names the flag (it said ``group:``, the Python setting)."""
     flags = ["--group", "no spaces", "--data-dir", str(tmp_path), "--redis-url", nowhere]
     if argv[0] == "ledger":
         flags = flags[:4]
     code, err = _exit(capsys, [*argv, *flags])
-    assert (code, _one_error_line(err)[:30]) == (2, "idem: error: group: 'no spaces")
+    assert (code, _one_error_line(err)[:32]) == (2, "idem: error: --group: 'no spaces")
 
 
 @pytest.mark.parametrize("argv", EVERY_GROUP_COMMAND[:3], ids=" ".join)  # retry, dlq: argparse
@@ -178,11 +179,11 @@ def test_a_malformed_idem_redis_url_is_an_error_naming_the_setting(
     tmp_path: Path,
     command: list[str],
 ) -> None:
-    """A bad setting is exit 2, whichever command family reads it."""
+    """A bad setting is exit 2, whichever command family reads it, naming the variable."""
     monkeypatch.setenv("IDEM_REDIS_URL", "redis://127.0.0.1:99999/0")
     got, err = _exit(capsys, [*command, "--data-dir", str(tmp_path)])
     assert got == 2
-    assert err.strip() == "idem: error: redis_url: port 99999 is out of range 1-65535"
+    assert err.strip() == "idem: error: IDEM_REDIS_URL: port 99999 is out of range 1-65535"
 
 
 def test_a_url_urllib_cannot_split_still_has_its_password_masked() -> None:

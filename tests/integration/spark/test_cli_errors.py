@@ -67,7 +67,7 @@ def test_bad_settings_are_exit_2_naming_the_setting(
         "--sink-delta", str(tmp_path / "sink"), "--delay-levels", "1s fast",
     )  # fmt: skip
     assert code == 2
-    assert "delay_levels: level 2 is 'fast'" in err
+    assert "--delay-levels: level 2 is 'fast'" in err
 
 
 def test_a_missing_argument_is_argparse_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
