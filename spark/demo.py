@@ -164,6 +164,13 @@ def run_demo(
     check_sizes(orders=orders, files=files)  # before Redis and Spark start
     out = out or sys.stdout
     started = time.monotonic()
+    settings = IdemConfig(  # checked before anything starts; URL and data dir come later
+        group=DEMO_GROUP,
+        redis_url="redis://127.0.0.1:6379/0",
+        delay_levels=DelayLevels.parse(delay_levels),
+        max_reconsume_times=max_reconsume_times,
+        buckets=8,
+    )
     root = Path(workdir or tempfile.mkdtemp(prefix="idem-demo-"))
     with embedded_redis() as redis_info:
         print(f"idem demo: Redis: {redis_info.kind}", file=out)
@@ -176,14 +183,7 @@ def run_demo(
             f"{len(data.poison_keys)} poison, {data.bad_rows} bad keys)",
             file=out,
         )
-        config = IdemConfig(
-            group=DEMO_GROUP,
-            redis_url=redis_info.url,
-            data_dir=str(root / "idem-data"),
-            delay_levels=DelayLevels.parse(delay_levels),
-            max_reconsume_times=max_reconsume_times,
-            buckets=8,
-        )
+        config = settings.with_changes(redis_url=redis_info.url, data_dir=str(root / "idem-data"))
         sink_path = str(root / "orders-sink")
         spec = RunSpec(
             source=data.directory,

@@ -394,6 +394,24 @@ def test_a_demo_workdir_that_is_a_file_is_exit_2(
     assert err.strip() == f"idem: error: --workdir: {a_file} is a file, not a directory"
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--delay-levels", "1s x"], "--delay-levels: level 2 is 'x'"),
+        (["--max-reconsume-times", "5000"], "--max-reconsume-times: 5000 is outside"),
+    ],
+)
+def test_bad_demo_settings_are_exit_2_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], says: str
+) -> None:
+    """It started Redis and wrote the order files, then failed on the setting."""
+    workdir = tmp_path / "demo"
+    code, err = _exit(capsys, ["demo", "--workdir", str(workdir), *flags])
+    assert code == 2
+    assert _one_error_line(err).startswith(f"idem: error: {says}")
+    assert not workdir.exists()
+
+
 # -- idem dlq / idem retry: a file where a Delta table belongs ---------------------------------
 
 
