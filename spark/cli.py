@@ -390,7 +390,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="field with the source's message id (default: derived from key and payload)",
     )
     run.add_argument(
-        "--timeout", type=float, help="stop after this many seconds (continuous runs only)"
+        "--timeout",
+        type=float,
+        help="stop after this many seconds (with --available-now: stop waiting for retries "
+        "on the ladder; what is pending stays scheduled for the next run)",
     )
     run.add_argument("--report-json", help="also write the report as JSON to this file")
     run.add_argument(

@@ -85,7 +85,9 @@ class RunSpec:
     """Field holding the source's message id (copies of one message share it)."""
     idempotency_column: str = "idempotency_key"
     timeout_seconds: float | None = None
-    """Stop after this long (continuous mode; ``None``: until interrupted)."""
+    """Stop after this long (``None``: until interrupted, or with ``available_now`` until
+    idle). With ``available_now`` it caps the wait for retries on the ladder: what is
+    still pending stays scheduled for the next run."""
     leases: bool | None = None
     """Whether claims take leases in Redis (``None``: only with a function sink; pass
     ``True`` when another writer of the group runs a function sink or a consumer)."""
@@ -344,18 +346,24 @@ class Pipeline:
         wait for: while any is pending, a second query that takes no file picks them up
         as they come due (:meth:`_until_idle`).
         """
-        _drive(self._query(None), _await, on_started)
-        if self.engine.pending() == 0:
+        timeout = self.spec.timeout_seconds
+        deadline = None if timeout is None else time.monotonic() + timeout
+        _drive(self._query(None), lambda q: _await(q, _left(deadline)), on_started)
+        if self.engine.pending() == 0 or _left(deadline) == 0:
             return
-        _drive(self._query(AVAILABLE_NOW_TRIGGER_S, new_files=False), self._until_idle, None)
+        _drive(
+            self._query(AVAILABLE_NOW_TRIGGER_S, new_files=False),
+            lambda q: self._until_idle(q, deadline),
+            None,
+        )
 
-    def _until_idle(self, query: StreamingQuery) -> None:
+    def _until_idle(self, query: StreamingQuery, deadline: float | None = None) -> None:
         """Wait until every source is drained and no retry is scheduled or in the topic.
 
         Spark's own ``Trigger.AvailableNow`` stops before retries that come due
         later; a query that keeps triggering picks them up as they come due. A
-        retry that stays pending without progress for ``STALL_S`` ends the wait
-        (the report shows it as pending).
+        retry that stays pending without progress for ``STALL_S`` ends the wait,
+        as does ``deadline`` (``time.monotonic()``); the report shows what is pending.
         """
         idle_since: float | None = None
         last_batch: object = None
@@ -363,6 +371,11 @@ class Pipeline:
         while query.isActive:
             time.sleep(AVAILABLE_NOW_TRIGGER_S / 2)
             now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                log.info(
+                    "--timeout reached; %d retry message(s) still pending", self.engine.pending()
+                )
+                return
             status = query.status
             progress = query.lastProgress
             batch = progress.get("batchId") if progress else None
@@ -417,12 +430,17 @@ def root_cause(text: str) -> str:
     return lines[0] if lines else text
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 0; ``None`` for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
     """Wait for the query; its failure becomes :class:`QueryFailed` naming the root cause."""
     try:
         if timeout_seconds is None:
             query.awaitTermination()
-        else:
+        elif timeout_seconds > 0:  # 0: the time is up already (Spark refuses to wait 0 s)
             # Fractions of a second too: PySpark takes a float (its annotation says int).
             query.awaitTermination(timeout_seconds)  # type: ignore[arg-type]
     except StreamingQueryException as exc:

@@ -84,3 +84,33 @@ def test_available_now_takes_the_files_there_at_the_start_and_leaves_later_ones_
     expected = {"ORDERID_1", "ORDERID_2", *producer.keys}
     assert sink_key_counts(tmp_path / "sink") == dict.fromkeys(expected, 1)
     assert second.totals.messages == len(expected)
+
+
+def test_available_now_with_a_timeout_stops_waiting_for_retries_and_leaves_them_scheduled(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """``--timeout`` was ignored with ``--available-now``: a run waited out the ladder (up
+    to 2 h between retries on RocketMQ's) however short the time it was given."""
+    write_files(tmp_path / "in", [[order(1), order(2)]])
+
+    def fails_2_once(fresh: DataFrame, batch_id: int) -> dict[str, str]:
+        rows = fresh.select("order_id", "reconsume_times").toArrow().to_pylist()
+        return {
+            r["order_id"]: "TimeoutError: downstream timed out"
+            for r in rows
+            if r["order_id"] == "ORDERID_2" and r["reconsume_times"] == 0
+        }
+
+    # the first retry (level 3) is due in 2 minutes; the timeout is time enough for the files
+    config = config_for(tmp_path, redis_server.url, "timed-out", delay_levels="1s 1s 2m")
+    spec = delta_run(tmp_path, timeout_seconds=20.0)
+    pipeline = Pipeline(spark, config, spec, sink_fn=fails_2_once, client=redis_server.client())
+    started = time.monotonic()
+    try:
+        report = pipeline.run()
+    finally:
+        pipeline.close()
+    assert time.monotonic() - started < 60
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1}
+    assert report.pending_retries == 1  # scheduled, not dropped: the next run takes it
+    assert report.dead_letters == 0
