@@ -361,6 +361,7 @@ class BatchRun:
                 key_field=self.key,
                 born_ms=now,
                 previous=self.previous.get(i),
+                source_line=i in self.raw_bodies,
             )
             for i, body in zip(indices, bodies, strict=True)
         ]

@@ -43,6 +43,11 @@ SCHEMA_PROPERTY: Final = "IDEM_SCHEMA"
 KEY_FIELD_PROPERTY: Final = "IDEM_KEY_FIELD"
 """Message property naming the column the business key came from."""
 
+SOURCE_LINE_PROPERTY: Final = "IDEM_SOURCE_LINE"
+"""Message property (``"1"``) of a body that is a source line as read (one ``idem run``
+could not parse), not a row's JSON: back on the retry stream it is read as the source
+reads lines, fields outside the schema ignored."""
+
 MSG_ID_COLUMN: Final = "_idem_msg_id"
 """Column the decorator adds: the message id of each main-stream row."""
 
@@ -66,6 +71,7 @@ def message_for_row(
     key_field: str,
     born_ms: int,
     previous: MessageExt | None = None,
+    source_line: bool = False,
 ) -> MessageExt:
     """The message to send back for row ``index`` of a batch.
 
@@ -73,10 +79,18 @@ def message_for_row(
     as it is, so its history and ``ORIGIN_MESSAGE_ID`` survive. A main-stream
     row becomes a message with ``msg_id`` (see :mod:`idem.spark.batch`: the
     source's message id, or one derived from the row's key and payload, so a
-    redelivered copy is the same message and joins the same retry chain).
+    redelivered copy is the same message and joins the same retry chain). ``source_line``:
+    the body is the source's own line (see :data:`SOURCE_LINE_PROPERTY`).
     """
     if previous is not None:
         return previous
+    properties = {
+        SCHEMA_PROPERTY: schema_json,
+        KEY_FIELD_PROPERTY: key_field,
+        MessageConst.PROPERTY_KEYS: key or "",
+    }
+    if source_line:
+        properties[SOURCE_LINE_PROPERTY] = "1"
     return MessageExt(
         topic=topic,
         msg_id=msg_id,
@@ -87,9 +101,5 @@ def message_for_row(
         born_timestamp=born_ms,
         store_timestamp=born_ms,
         reconsume_times=0,
-        properties={
-            SCHEMA_PROPERTY: schema_json,
-            KEY_FIELD_PROPERTY: key_field,
-            MessageConst.PROPERTY_KEYS: key or "",
-        },
+        properties=properties,
     )

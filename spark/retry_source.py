@@ -56,6 +56,7 @@ from idem.spark.messages import (
     MALFORMED_COLUMN,
     MESSAGE_COLUMN,
     RECONSUME_TIMES_COLUMN,
+    SOURCE_LINE_PROPERTY,
 )
 from idem.spark.rows import BODY, RowCodec
 
@@ -274,7 +275,9 @@ class RetryRows:
 
     def row(self, message: MessageExt) -> tuple[Any, ...]:
         """The row of ``message``: its values, ``reconsume_times``, the envelope, the problem."""
-        decoded = self.codec.decode_columns(message.body)
+        decoded = self.codec.decode_columns(
+            message.body, extra_fields=message.properties.get(SOURCE_LINE_PROPERTY) == "1"
+        )
         values = list(decoded.values)
         errors = dict(decoded.errors)
         for i, (field, check) in enumerate(zip(self.fields, self._checks, strict=True)):

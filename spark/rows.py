@@ -147,10 +147,11 @@ class RowCodec:
             for name, dec in zip(self.names, self._decoders, strict=True)
         )
 
-    def decode_columns(self, body: bytes | str) -> DecodedRow:
+    def decode_columns(self, body: bytes | str, *, extra_fields: bool = False) -> DecodedRow:
         """:meth:`decode`, column by column: a column that does not decode is null and its
         error is kept, so the columns that did decode (the key, say) are not lost. A body
-        field with a value but no column is an error too (its value would vanish)."""
+        field with a value but no column is an error too (its value would vanish), unless
+        ``extra_fields`` (a source line, whose reader ignores fields outside the schema)."""
         try:
             obj = _json_object(body)
         except SerializationError as exc:
@@ -168,7 +169,7 @@ class RowCodec:
                 values.append(None)
                 errors[name] = f"column {name!r}: {type(exc).__name__}: {exc}"
         for name, value in obj.items():  # a value the schema has no column for would be lost
-            if value is not None and name not in self._known:
+            if value is not None and name not in self._known and not extra_fields:
                 errors[name] = (
                     f"body field {name!r}: has a value ({_excerpt(value)}) but the schema has "
                     "no such column (renamed or dropped while the row waited?)"

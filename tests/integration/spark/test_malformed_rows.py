@@ -21,6 +21,7 @@ from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce, exactly_once
+from idem.spark.dlq import Selection, replay
 from idem.spark.retry_source import retry_stream
 from idem.spark.run import Pipeline
 
@@ -200,6 +201,45 @@ def test_idem_run_dead_letters_a_line_that_is_not_json_for_the_schema_with_the_l
         )
     assert (report.totals.malformed, report.totals.invalid, report.dead_letters) == (2, 0, 2)
     assert report.pending_retries == 0
+
+
+def test_a_dead_lettered_line_replayed_after_the_schema_is_fixed_lands_with_extra_fields_ignored(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The source ignores a line's fields outside ``--schema``; the replay of a line it
+    could not parse did not: it was dead-lettered again for its extra field ("has a value
+    but the schema has no such column"), so a malformed line could never be replayed."""
+    line = '{"order_id": "ORDERID_9", "amount": 8.5, "qty": "two", "note": "gift wrap"}'
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "part-0000.json").write_text(
+        '{"order_id": "ORDERID_7", "amount": 7.0, "qty": 1}\n' + line + "\n", encoding="utf-8"
+    )
+    config = config_for(tmp_path, redis_server.url, "fixed-schema")
+    client = redis_server.client()
+
+    def run(schema: str) -> None:
+        spec = delta_run(tmp_path, source, schema=schema)
+        pipeline = Pipeline(spark, config, spec, client=client)
+        try:
+            pipeline.run()
+        finally:
+            pipeline.close()
+
+    run("order_id string, amount double, qty int")  # "two" is no int: the line is dead-lettered
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_7": 1}
+    [letter] = dead_letters(config)
+    assert letter.body.decode() == line
+
+    replay(RetryEngine(config, client=client), Selection(keys=("ORDERID_9",)))
+    _wait_until_due(config, client)
+    run("order_id string, amount double")  # the fix: qty is no longer read from the source
+    assert sink_key_counts(tmp_path / "sink") == {"ORDERID_7": 1, "ORDERID_9": 1}
+    landed = {r["order_id"]: r for r in sink_rows(tmp_path / "sink")}
+    assert (landed["ORDERID_9"]["amount"], landed["ORDERID_9"]["qty"]) == (8.5, None)
+    assert "note" not in landed["ORDERID_9"]
+    [letter] = dead_letters(config)
+    assert letter.status.value == "REPLAYED"
 
 
 def test_text_that_is_not_utf8_is_dead_lettered_not_a_failed_batch(
