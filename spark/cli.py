@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -270,11 +271,17 @@ def _dlq_show(args: argparse.Namespace) -> int:
         for d in engine.dlq.list()
         if d.key in wanted or d.msg_id in wanted or d.origin_msg_id in wanted
     ]
-    if not letters:
-        return _fail(EXIT_ERROR, f"no dead letter with key/msg id {', '.join(sorted(wanted))}")
     for d in letters:
         print(json.dumps(describe(d), indent=2, ensure_ascii=False, default=str))
-    return EXIT_OK
+    found = {name for d in letters for name in (d.key, d.msg_id, d.origin_msg_id)}
+    return _unknown(list(wanted - found))
+
+
+def _unknown(names: Sequence[str]) -> int:
+    """Exit 1 naming the keys / msg ids that match no dead letter (the rest were done)."""
+    if not names:
+        return EXIT_OK
+    return _fail(EXIT_ERROR, f"no dead letter with key/msg id {', '.join(sorted(names))}")
 
 
 def _dlq_replay(args: argparse.Namespace) -> int:
@@ -296,7 +303,7 @@ def _dlq_replay(args: argparse.Namespace) -> int:
         )
     if result.selected == 0:
         print("nothing to replay")
-    return EXIT_OK
+    return _unknown(result.unknown)
 
 
 def _dlq_discard(args: argparse.Namespace) -> int:
@@ -304,9 +311,9 @@ def _dlq_discard(args: argparse.Namespace) -> int:
     if selection.empty:
         return _fail(EXIT_USAGE, "dlq discard: name --key K, --msg-id ID or --all")
     engine = _engine(args)
-    changed = discard(engine, selection, by=args.by)
-    print(f"marked {changed} dead letter(s) of %DLQ%{engine.group} DISCARDED")
-    return EXIT_OK
+    result = discard(engine, selection, by=args.by)
+    print(f"marked {result.marked} dead letter(s) of %DLQ%{engine.group} DISCARDED")
+    return _unknown(result.unknown)
 
 
 def _guarded(handler: Any) -> Any:

@@ -18,7 +18,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import datetime_of_ms
@@ -75,6 +75,15 @@ class Selection:
         """Nothing named and not ``everything``."""
         return not (self.keys or self.msg_ids or self.everything)
 
+    def unknown(self, letters: Iterable[DeadLetter]) -> tuple[str, ...]:
+        """The named keys and msg ids that no row of ``letters`` has, whatever its status
+        (a typo must not read as "nothing to do")."""
+        keys, ids = set(self.keys), set(self.msg_ids)
+        for d in letters:
+            keys.discard(d.key or "")
+            ids.difference_update((d.msg_id, d.origin_msg_id))
+        return tuple(k for k in self.keys if k in keys) + tuple(m for m in self.msg_ids if m in ids)
+
 
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
@@ -85,6 +94,28 @@ class ReplayResult:
     dead_again: int
     marked: int
     skipped_replayed: int
+    unknown: tuple[str, ...] = ()
+    """Named keys / msg ids with no dead letter at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardResult:
+    """What a discard did."""
+
+    marked: int
+    unknown: tuple[str, ...] = ()
+    """Named keys / msg ids with no dead letter at all."""
+
+
+class Picked(NamedTuple):
+    """The dead letters a selection picked."""
+
+    letters: list[DeadLetter]
+    """Oldest first."""
+    left_out: int
+    """Matching rows replayed before, left out (without ``include_replayed``)."""
+    unknown: tuple[str, ...]
+    """Named keys / msg ids with no dead letter at all."""
 
 
 def who() -> str:
@@ -92,8 +123,9 @@ def who() -> str:
     return current_user()
 
 
-def select(engine: RetryEngine, selection: Selection) -> tuple[list[DeadLetter], int]:
-    """The selected dead letters (oldest first) and how many replayed ones were left out."""
+def select(engine: RetryEngine, selection: Selection) -> Picked:
+    """The selected dead letters, how many replayed ones were left out, and the names
+    that match none."""
     letters = engine.dlq.list()
     chosen = [d for d in letters if selection.matches(d)]
     left_out = 0
@@ -108,7 +140,7 @@ def select(engine: RetryEngine, selection: Selection) -> tuple[list[DeadLetter],
             1 for d in letters if d.status is DeadLetterStatus.REPLAYED and named.matches(d)
         )
     chosen.sort(key=lambda d: (d.dead_at_ms, d.origin_msg_id))
-    return chosen, left_out
+    return Picked(chosen, left_out, selection.unknown(letters))
 
 
 def replay_message(letter: DeadLetter, *, by: str, at_ms: int) -> MessageExt:
@@ -125,7 +157,7 @@ def replay(
     progress: Callable[[int, int], None] | None = None,
 ) -> ReplayResult:
     """Send the selected dead letters back through the retry path and mark them ``REPLAYED``."""
-    letters, left_out = select(engine, selection)
+    letters, left_out, unknown = select(engine, selection)
     by = by or who()
     sent = dead = marked = 0
     total = len(letters)
@@ -154,15 +186,19 @@ def replay(
         if progress is not None:
             progress(min(start + len(chunk), total), total)
     return ReplayResult(
-        selected=total, sent=sent, dead_again=dead, marked=marked, skipped_replayed=left_out
+        selected=total,
+        sent=sent,
+        dead_again=dead,
+        marked=marked,
+        skipped_replayed=left_out,
+        unknown=unknown,
     )
 
 
-def discard(engine: RetryEngine, selection: Selection, *, by: str | None = None) -> int:
-    """Mark the selected dead letters ``DISCARDED`` (by ``by``, default ``user@host``);
-    returns how many changed."""
-    letters, _ = select(engine, selection)
-    return engine.dlq.mark_discarded(letters, by=by or who())
+def discard(engine: RetryEngine, selection: Selection, *, by: str | None = None) -> DiscardResult:
+    """Mark the selected dead letters ``DISCARDED`` (by ``by``, default ``user@host``)."""
+    letters, _, unknown = select(engine, selection)
+    return DiscardResult(engine.dlq.mark_discarded(letters, by=by or who()), unknown)
 
 
 def decoded_body(letter: DeadLetter) -> dict[str, Any] | None:

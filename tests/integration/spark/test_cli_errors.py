@@ -198,6 +198,28 @@ def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
     assert f"--limit: {limit!r} is not a whole number >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("action", ["show", "discard", "replay"])
+def test_a_dlq_key_that_matches_no_dead_letter_is_exit_1_naming_it_and_the_rest_is_done(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    """``replay``/``discard --key TYPO`` said "nothing to replay" / "marked 0" and exited 0:
+    a script could not tell a typo from done (``show`` already exited 1)."""
+    config = IdemConfig(group=f"typo-{action}", redis_url=redis_server.url, data_dir=str(tmp_path))
+    engine = RetryEngine(config, client=redis_server.client())
+    assert engine.dead_letter([_message("MA", "A"), _message("MB", "B")], reason="bad").acknowledged
+    code, err = _run(
+        capsys, "dlq", action, "--key", "A", "--key", "NOPE", "--msg-id", "M404", "--group",
+        config.group, "--redis-url", redis_server.url, "--data-dir", str(tmp_path),
+    )  # fmt: skip
+    assert code == 1
+    assert err.strip() == "idem: error: no dead letter with key/msg id M404, NOPE"
+    done = {"show": "DEAD", "discard": "DISCARDED", "replay": "REPLAYED"}[action]
+    assert sorted((d.key, d.status.value) for d in engine.dlq.list()) == [
+        ("A", done),
+        ("B", "DEAD"),
+    ]
+
+
 def test_dlq_ls_where_no_table_is_says_where_it_looked(
     redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
