@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-from pyspark.sql import Column
+from pyspark.sql import Column, Row
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 
@@ -434,7 +434,20 @@ def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
             "sink result: return None, a ConsumeConcurrentlyStatus, the failed keys, a "
             f"{{key: error}} mapping or a DataFrame of failed rows; got {type(result).__name__}"
         )
-    return dict.fromkeys(result, "rejected by the sink")
+    return dict.fromkeys((_key_of(item, key) for item in result), "rejected by the sink")
+
+
+def _key_of(item: object, key: str) -> object:
+    """A returned failed key, or the key of a returned ``Row`` (``df.collect()`` of the
+    failed rows: a Row used as a key matched no row, and the row was committed as done)."""
+    if not isinstance(item, Row):
+        return item
+    fields = getattr(item, "__fields__", None)
+    if fields is None or key not in fields:
+        raise ConfigError(
+            f"sink result: a returned Row has no key column {key!r} (fields: {fields})"
+        )
+    return item[key]
 
 
 def _log_outcome(outcome: BatchOutcome) -> None:

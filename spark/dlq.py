@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TextIO
 
+from pyspark.sql import Row
+
 from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import datetime_of_ms
 from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
@@ -247,10 +249,26 @@ def describe(letter: DeadLetter) -> dict[str, Any]:
         "replayed_by": letter.replayed_by,
         "last_error": letter.last_error,
         "errors": [{"at_ms": e.at_ms, "type": e.type, "message": e.message} for e in letter.errors],
-        "row": body if body is not None else None,
+        "row": None if body is None else _json_safe(body),
         "body": None if body is not None else letter.body.decode("utf-8", "replace"),
         "properties": {k: v for k, v in letter.properties.items() if k != SCHEMA_PROPERTY},
     }
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` as JSON takes it: a struct (``Row``) with its field names, map keys as
+    text (a map keyed by binary or dates made ``dlq show`` fail), bytes as text."""
+    if isinstance(value, Row):
+        return {k: _json_safe(v) for k, v in value.asDict().items()}
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, str) else str(_json_safe(k)): _json_safe(v) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return value
 
 
 def progress_bar(

@@ -223,6 +223,32 @@ def test_failed_keys_are_sent_back_and_an_exception_fails_every_fresh_row(
     assert engine.pending() == 3  # B, C and D wait on their delay level
 
 
+def test_failed_rows_returned_as_collected_rows_are_retried_not_committed(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """``df.collect()`` of the failed rows (a list of Rows) matched no key: the rows were
+    committed as done and never retried, with only a warning in the log."""
+    config = config_for(tmp_path, redis_server.url, "collected")
+
+    def collected(fresh: DataFrame, batch_id: int) -> list[Any]:
+        return fresh.where("order_id = 'B'").collect()
+
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(collected)
+    sink.query_id = "q"
+    outcome = sink.process(_df(spark, "A", "B"), 0)
+    assert outcome.applied_keys == ("A",)
+    assert outcome.failed_keys == ("B",)
+    assert RetryEngine(config, client=real_redis).pending() == 1
+
+    def keyless(fresh: DataFrame, batch_id: int) -> list[Any]:
+        return fresh.select("amount").collect()
+
+    sink = exactly_once(key="order_id", config=config, client=real_redis)(keyless)
+    sink.query_id = "q2"
+    with pytest.raises(ConfigError, match="sink result: a returned Row has no key column"):
+        sink.process(_df(spark, "C"), 0)
+
+
 def test_a_replay_that_fails_other_rows_than_the_first_attempt_retries_them_too(
     spark: SparkSession,
     real_redis: redis.Redis,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +18,7 @@ from idem.cli import main
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
+from idem.spark.decorator import exactly_once
 from idem.spark.run import Pipeline, RunReport
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
@@ -166,3 +168,33 @@ def test_new_dead_letters_go_into_a_dlq_table_from_before_replayed_by(tmp_path: 
     table = _table_written_before_replayed_by(path, 1)
     assert table.write([_letter(0), _letter(1)]) == 1  # M0 was there already
     assert sorted(d.msg_id for d in table.list(status=DeadLetterStatus.DEAD)) == ["M0", "M1"]
+
+
+def test_dlq_show_and_ls_json_print_a_row_with_structs_and_maps_not_keyed_by_text(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A map keyed by binary or dates failed ``json.dumps`` (a TypeError traceback), and a
+    struct showed as a bare array without its field names."""
+    config = config_for(tmp_path, redis_server.url, "odd-rows", max_reconsume_times=0)
+    sink = exactly_once(key="id", config=config, client=real_redis)(lambda df, b: ["A"])
+    sink.query_id = "q"
+    df = spark.sql(
+        "SELECT 'A' AS id, map(CAST('k' AS BINARY), 1) AS m, map(DATE'2024-01-02', 'x') AS d, "
+        "named_struct('p', 1, 'q', 'z') AS s"
+    )
+    assert sink.process(df, 0).dead == 1
+    assert _cli(config, "show", "--key", "A") == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["row"] == {
+        "id": "A",
+        "m": {"k": 1},
+        "d": {"2024-01-02": "x"},
+        "s": {"p": 1, "q": "z"},
+    }
+    assert _cli(config, "ls", "--json") == 0
+    [listed] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert listed["row"] == shown["row"]
