@@ -149,6 +149,7 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
         trigger_seconds=args.trigger_seconds,
         topic=args.topic,
         msg_id_field=args.msg_id_field,
+        idempotency_column=args.idempotency_column,
         timeout_seconds=args.timeout,
         leases=True if args.leases else None,
     )
@@ -351,7 +352,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="do not stage the driver failure after batch 2 (which Spark then replays)",
     )
     demo.set_defaults(func=_guarded(_demo))
+    _register_run(subparsers)
+    _register_dlq(subparsers)
 
+
+def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = subparsers.add_parser(
         "run",
         help="read JSON-lines files as a stream and write them exactly once",
@@ -367,6 +372,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--sink-fn",
         help="module:function or file.py:function called as fn(fresh_df, batch_id); "
         "its rows carry an idempotency_key column; it may return the failed keys",
+    )
+    run.add_argument(
+        "--idempotency-column",
+        default="idempotency_key",
+        help="name of the column --sink-fn's rows get their idempotency key in "
+        "(default idempotency_key; it must not be a field of the rows)",
     )
     run.add_argument(
         "--checkpoint", help="Spark checkpoint dir (default <data-dir>/<group>/checkpoint)"
@@ -414,6 +425,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.set_defaults(func=_guarded(_run))
 
+
+def _register_dlq(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dlq = subparsers.add_parser("dlq", help="the %%DLQ%%<group> table: ls, show, replay, discard")
     commands = dlq.add_subparsers(dest="dlq_command", metavar="COMMAND", required=True)
     ls = commands.add_parser("ls", help="list dead letters, newest first")

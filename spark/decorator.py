@@ -54,6 +54,7 @@ from idem.spark.fit import fit_rows
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
     DEFAULT_TOPIC,
+    MESSAGE_COLUMN,
     MSG_ID_COLUMN,
     RECONSUME_TIMES_COLUMN,
 )
@@ -198,6 +199,19 @@ class ExactlyOnce:
             )
         if self.msg_id is not None and self.msg_id not in columns:
             raise ConfigError(f"msg_id: the batch has no column {self.msg_id!r}")
+        if self.fn is not None and self.idempotency_column in columns:
+            raise ConfigError(
+                f"idempotency_column: the rows already have a column {self.idempotency_column!r}"
+                " (the sink would get two); name another one (idem run: --idempotency-column)"
+            )
+        if RECONSUME_TIMES_COLUMN in columns and MESSAGE_COLUMN not in columns:
+            # idem's bookkeeping columns never reach a sink: a column of the user's by that
+            # name would vanish without a word (the retry stream adds both of them)
+            raise ConfigError(
+                f"{RECONSUME_TIMES_COLUMN}: the batch has this column but not "
+                f"{MESSAGE_COLUMN}; the pair is the retry stream's bookkeeping. Rename a "
+                "column of your own, or keep both columns of the retry stream"
+            )
         payload = st.StructType([f for f in schema.fields if f.name not in BOOKKEEPING_COLUMNS])
         payload_columns = payload.fieldNames()
         if self.sink_table:

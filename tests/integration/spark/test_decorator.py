@@ -249,6 +249,38 @@ def test_failed_rows_returned_as_collected_rows_are_retried_not_committed(
         sink.process(_df(spark, "C"), 0)
 
 
+def test_a_column_of_the_users_named_reconsume_times_is_refused_not_dropped(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """It was taken for the retry stream's and left out of the payload: the Delta sink
+    table had no such column, and fingerprints and retried bodies lacked it."""
+    config = config_for(tmp_path, redis_server.url, "own-column")
+    sink = delta_sink(str(tmp_path / "sink"), key="id", config=config, client=real_redis)
+    sink.query_id = "q"
+    df = spark.createDataFrame([("A", 5)], "id string, reconsume_times int")
+    with pytest.raises(ConfigError, match="reconsume_times: the batch has this column but not"):
+        sink.process(df, 0)
+    assert not (tmp_path / "sink").exists()  # refused before anything was claimed or written
+
+
+def test_an_idempotency_column_the_rows_already_have_is_refused(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The sink got two columns of that name: any reference to it failed as ambiguous,
+    every row climbed the retry ladder and ended in the DLQ."""
+    config = config_for(tmp_path, redis_server.url, "two-keys")
+    recorder = Recorder()
+    sink = exactly_once(
+        key="order_id", config=config, client=real_redis, idempotency_column="order_ref"
+    )(recorder)
+    sink.query_id = "q"
+    df = spark.createDataFrame([("A", "mine")], "order_id string, order_ref string")
+    with pytest.raises(ConfigError, match="idempotency_column: the rows already have a column"):
+        sink.process(df, 0)
+    assert recorder.rows == []
+    assert RetryEngine(config, client=real_redis).pending() == 0
+
+
 def test_a_replay_that_fails_other_rows_than_the_first_attempt_retries_them_too(
     spark: SparkSession,
     real_redis: redis.Redis,
