@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
-from pyspark.sql.types import StringType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    DataType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from idem.errors import ConfigError, SerializationError
 from idem.spark.messages import MALFORMED_COLUMN, RAW_BODY_COLUMN
@@ -49,6 +56,8 @@ def source_schema(
             schema = schema_from_ddl(ddl)
         except SerializationError as exc:
             raise ConfigError(f"--schema: {str(exc).removeprefix('schema: ')}") from None
+        for field in schema.fields:
+            _check_json_readable(field.name, field.dataType)
         _require(schema, fields, where="the schema given with --schema")
     elif kept.is_file():
         schema = schema_from_json(kept.read_text(encoding="utf-8"))
@@ -73,6 +82,22 @@ def source_schema(
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_text(schema.json(), encoding="utf-8")
     return schema
+
+
+def _check_json_readable(name: str, kind: DataType) -> None:
+    """Refuse a type Spark's JSON reader cannot read (it failed the query as it started)."""
+    if isinstance(kind, MapType):
+        if not isinstance(kind.keyType, StringType):
+            raise ConfigError(
+                f"--schema: column {name!r}: a map keyed by {kind.keyType.simpleString()} "
+                "cannot be read from JSON (JSON object keys are text); use map<string, ...>"
+            )
+        _check_json_readable(name, kind.valueType)
+    elif isinstance(kind, ArrayType):
+        _check_json_readable(name, kind.elementType)
+    elif isinstance(kind, StructType):
+        for field in kind.fields:
+            _check_json_readable(f"{name}.{field.name}", field.dataType)
 
 
 def _require(schema: StructType, fields: Mapping[str, str | None] | None, *, where: str) -> None:

@@ -146,6 +146,17 @@ def test_a_fractional_timeout_runs_and_a_malformed_schema_is_exit_2_naming_the_f
     [line] = err.strip().splitlines()
     assert line.startswith("idem: error: --schema: 'order_id strin, amount double' is not a ")
     assert 'Unsupported data type "STRIN"' in line
+    # valid DDL that JSON cannot hold: the query failed as it started, with a traceback
+    code, err = _run(
+        capsys, *common, "--group", "map-schema", "--sink-delta", str(tmp_path / "sink3"),
+        "--schema", "order_id string, extra struct<tags: array<map<date, int>>>",
+    )  # fmt: skip
+    assert code == 2
+    [line] = err.strip().splitlines()
+    assert line == (
+        "idem: error: --schema: column 'extra.tags': a map keyed by date cannot be read from "
+        "JSON (JSON object keys are text); use map<string, ...>"
+    )
 
 
 def test_a_dlq_replay_that_cannot_store_its_messages_is_exit_1_saying_so(
