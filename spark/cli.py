@@ -29,6 +29,7 @@ from idem.cli_args import (
     check_writable_dir,
     check_writable_file,
     in_flags,
+    non_negative_int,
     path_flag,
     redis_url,
 )
@@ -62,17 +63,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
-
-
-def _count(text: str) -> int:
-    """A row count for ``--limit``: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
 
 
 def _fail(code: int, message: str) -> int:
@@ -432,7 +422,9 @@ def _register_dlq(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     ls = commands.add_parser("ls", help="list dead letters, newest first")
     _add_config_options(ls)
     ls.add_argument("--status", default="dead", choices=["dead", "replayed", "discarded", "all"])
-    ls.add_argument("--limit", type=_count, default=50, help="show at most this many rows (0: all)")
+    ls.add_argument(
+        "--limit", type=non_negative_int, default=50, help="show at most this many rows (0: all)"
+    )
     ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     ls.set_defaults(func=_guarded(_dlq_ls))
 
