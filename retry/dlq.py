@@ -135,6 +135,10 @@ class DeadLetter:
         last = errors[-1] if errors else None
         props = dict(message.properties)
         props[DEAD_REASON_PROPERTY] = reason
+        if message.tags is not None:
+            # the table has no tags column: RocketMQ keeps the tag as this property (idem's
+            # producer too), and a replay must reach a listener that routes on it with it
+            props[MessageConst.PROPERTY_TAGS] = message.tags
         props.setdefault(MessageConst.PROPERTY_ORIGIN_MESSAGE_ID, message.origin_msg_id)
         props.setdefault(MessageConst.PROPERTY_RETRY_TOPIC, message.retry_topic_origin)
         return cls(
@@ -154,13 +158,15 @@ class DeadLetter:
         )
 
     def to_message(self) -> MessageExt:
-        """The message to replay: original topic, key, body and properties, origin id kept."""
+        """The message to replay: original topic, key, tag, body and properties, origin id
+        kept."""
         props = {k: v for k, v in self.properties.items() if k != DEAD_REASON_PROPERTY}
         return MessageExt(
             topic=self.topic,
             msg_id=self.msg_id,
             body=self.body,
             keys=self.key,
+            tags=self.properties.get(MessageConst.PROPERTY_TAGS),  # RocketMQ's getTags()
             reconsume_times=self.reconsume_times,
             properties=props,
         )

@@ -130,6 +130,11 @@ class MessageExt:
             raise ValueError(f"msg_id: must be a non-empty string, got {self.msg_id!r}")
         if not isinstance(self.body, bytes):
             raise TypeError(f"body: must be bytes, got {type(self.body).__name__}")
+        for name, text in (("keys", self.keys), ("tags", self.tags)):
+            # a foreign producer's JSON may carry a number ("keys": 100): refused as bad
+            # input (from_dict's SerializationError), not an AttributeError further on
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"{name}: must be a string or None, got {type(text).__name__}")
         if self.reconsume_times < 0:
             raise ValueError(f"reconsume_times: must be >= 0, got {self.reconsume_times}")
         bad = [
