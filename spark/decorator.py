@@ -219,14 +219,23 @@ class ExactlyOnce:
         codec = RowCodec(payload)
         # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow
         # (ids.py). One SQL projection: one py4j call, however many columns.
-        extra: list[str] = []
+        added: dict[str, str] = {}  # column name -> its SQL
         if self.fingerprint:
-            extra.append(f"{fingerprint_sql(payload)} AS {FINGERPRINT_COLUMN}")
+            added[FINGERPRINT_COLUMN] = fingerprint_sql(payload)
         if self.msg_id is not None:
-            extra.append(f"CAST({_quoted(self.msg_id)} AS STRING) AS {MSG_ID_COLUMN}")
+            added[MSG_ID_COLUMN] = f"CAST({_quoted(self.msg_id)} AS STRING)"
         elif self.fingerprint:
             # A redelivered copy of a row (same key, same payload) is the same message.
-            extra.append(f"xxhash64(CAST({_quoted(self.key)} AS STRING)) AS {KEY_HASH_COLUMN}")
+            added[KEY_HASH_COLUMN] = f"xxhash64(CAST({_quoted(self.key)} AS STRING))"
+        clash = [name for name in added if name in columns]
+        if clash:
+            # A second column of that name makes the batch's Arrow table ambiguous: every
+            # batch failed on it with pyarrow's KeyError, before any claim.
+            raise ConfigError(
+                f"{clash[0]}: the batch has a column of this name, which idem adds to the "
+                "rows for its hashes; rename it (names starting with _idem_ are idem's)"
+            )
+        extra = [f"{sql} AS {name}" for name, sql in added.items()]
         table = (batch_df.selectExpr("*", *extra) if extra else batch_df).toArrow()
         clock.lap("arrow")
         run = BatchRun(
@@ -319,16 +328,27 @@ class ExactlyOnce:
         try:
             result = _call(self.fn, fresh_df, run.batch_id)
         except Exception as exc:  # the user's failure: every fresh row is reconsumed later
-            log.warning(
-                "sink %s raised %s: %d fresh row(s) will be reconsumed later",
-                getattr(self.fn, "__name__", self.fn),
-                type(exc).__name__,
-                len(run.fresh),
-                exc_info=True,
-            )
-            error = f"{type(exc).__name__}: {exc}"
-            return dict.fromkeys(run.fresh, error)
-        return run.failures_from(_failed_keys(result, self.key))
+            return self._sink_raised(run, exc)
+        try:
+            failed = _failed_keys(result, self.key)
+        except ConfigError:
+            raise  # not a result idem can read: a bug to fix, not rows to retry
+        except Exception as exc:
+            # A lazy result (a DataFrame of failed rows, a generator) runs the user's code
+            # only as it is read here: its failure is the sink's, not the query's.
+            return self._sink_raised(run, exc)
+        return run.failures_from(failed)
+
+    def _sink_raised(self, run: BatchRun, exc: Exception) -> dict[int, str]:
+        """Every fresh row failed with ``exc`` (``{row index: error}``)."""
+        log.warning(
+            "sink %s raised %s: %d fresh row(s) will be reconsumed later",
+            getattr(self.fn, "__name__", self.fn),
+            type(exc).__name__,
+            len(run.fresh),
+            exc_info=True,
+        )
+        return dict.fromkeys(run.fresh, f"{type(exc).__name__}: {exc}")
 
     def _sink_columns(self, payload_columns: Sequence[str]) -> list[str]:
         """The user's columns that go into the sink table next to the ledger's (a key
@@ -421,11 +441,17 @@ def _schema_of(fresh: pa.Table, batch: st.StructType) -> st.StructType:
 
 
 def _call(fn: SinkFunction, df: DataFrame, batch_id: int) -> SinkResult:
+    """``fn(df, batch_id)``, or ``fn(df)`` when it cannot take the batch id as a second
+    positional argument (counting its parameters took a keyword-only option for one)."""
     try:
-        arity = len(inspect.signature(fn).parameters)
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        arity = 2
-    return fn(df) if arity == 1 else fn(df, batch_id)
+        return fn(df, batch_id)
+    try:
+        signature.bind(df, batch_id)
+    except TypeError:
+        return fn(df)
+    return fn(df, batch_id)
 
 
 def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
@@ -435,7 +461,7 @@ def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
     if result is ConsumeConcurrentlyStatus.RECONSUME_LATER:
         return {ConsumeConcurrentlyStatus.RECONSUME_LATER: "RECONSUME_LATER"}
     if isinstance(result, Mapping):
-        return {k: str(v) for k, v in result.items()}
+        return {_key_of(k, key): str(v) for k, v in result.items()}
     if hasattr(result, "toArrow") and hasattr(result, "columns"):
         if key not in result.columns:
             raise ConfigError(
@@ -452,8 +478,16 @@ def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
 
 
 def _key_of(item: object, key: str) -> object:
-    """A returned failed key, or the key of a returned ``Row`` (``df.collect()`` of the
-    failed rows: a Row used as a key matched no row, and the row was committed as done)."""
+    """A returned failed key, or the key of a returned row: a ``Row`` (``df.collect()``
+    of the failed rows: a Row used as a key matched no row, and the row was committed as
+    done) or a mapping (``row.asDict()``, which failed the batch as unhashable)."""
+    if isinstance(item, Mapping):
+        if key not in item:
+            raise ConfigError(
+                f"sink result: a returned row (mapping) has no key column {key!r} "
+                f"(fields: {list(item)})"
+            )
+        return item[key]
     if not isinstance(item, Row):
         return item
     fields = getattr(item, "__fields__", None)
