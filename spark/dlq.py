@@ -82,7 +82,8 @@ class Selection:
         (a typo must not read as "nothing to do")."""
         keys, ids = set(self.keys), set(self.msg_ids)
         for d in letters:
-            keys.discard(d.key or "")
+            if d.key is not None:  # as matches(): a null key is not the key "" (--msg-id finds it)
+                keys.discard(d.key)
             ids.difference_update((d.msg_id, d.origin_msg_id))
         return tuple(k for k in self.keys if k in keys) + tuple(m for m in self.msg_ids if m in ids)
 
