@@ -28,14 +28,13 @@ their keys are done (DESIGN §1's second row: nothing to crash between).
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-from pyspark.sql import Column, Row
+from pyspark.sql import Column
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 
@@ -47,7 +46,6 @@ from idem.ledger.schema import LEDGER_SCHEMA
 from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
 from idem.retry.engine import RetryEngine
-from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.batch import BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
 from idem.spark.fit import fit_rows
@@ -60,6 +58,7 @@ from idem.spark.messages import (
 )
 from idem.spark.outcome import BatchOutcome
 from idem.spark.rows import RowCodec
+from idem.spark.sink_result import SinkFunction, call_sink, failed_keys, quoted
 from idem.spark.stats import StatsStore
 
 if TYPE_CHECKING:
@@ -68,13 +67,6 @@ if TYPE_CHECKING:
     from idem.retry.engine import RetryEngine
 
 log = logging.getLogger(__name__)
-
-SinkResult = Any
-"""What a sink function may return: ``None``, a ``ConsumeConcurrentlyStatus``, failed keys,
-a ``{key: error}`` mapping, or a DataFrame of the failed rows."""
-
-SinkFunction = Callable[..., SinkResult]
-"""``(fresh_df, batch_id) -> SinkResult``, the ``foreachBatch`` shape."""
 
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 """Spark's local property carrying the streaming query id (stable across restarts)."""
@@ -223,10 +215,10 @@ class ExactlyOnce:
         if self.fingerprint:
             added[FINGERPRINT_COLUMN] = fingerprint_sql(payload)
         if self.msg_id is not None:
-            added[MSG_ID_COLUMN] = f"CAST({_quoted(self.msg_id)} AS STRING)"
+            added[MSG_ID_COLUMN] = f"CAST({quoted(self.msg_id)} AS STRING)"
         elif self.fingerprint:
             # A redelivered copy of a row (same key, same payload) is the same message.
-            added[KEY_HASH_COLUMN] = f"xxhash64(CAST({_quoted(self.key)} AS STRING))"
+            added[KEY_HASH_COLUMN] = f"xxhash64(CAST({quoted(self.key)} AS STRING))"
         clash = [name for name in added if name in columns]
         if clash:
             # A second column of that name makes the batch's Arrow table ambiguous: every
@@ -326,11 +318,11 @@ class ExactlyOnce:
         # timestamp and every column nullable).
         fresh_df = spark.createDataFrame(fresh, schema=_schema_of(fresh, batch_df.schema))
         try:
-            result = _call(self.fn, fresh_df, run.batch_id)
+            result = call_sink(self.fn, fresh_df, run.batch_id)
         except Exception as exc:  # the user's failure: every fresh row is reconsumed later
             return self._sink_raised(run, exc)
         try:
-            failed = _failed_keys(result, self.key)
+            failed = failed_keys(result, self.key)
         except ConfigError:
             raise  # not a result idem can read: a bug to fix, not rows to retry
         except Exception as exc:
@@ -410,16 +402,11 @@ def fingerprint_hash(schema: st.StructType) -> Column:
 def fingerprint_sql(schema: st.StructType) -> str:
     """:func:`fingerprint_hash` as a Spark SQL expression."""
     values = [
-        f"to_json({_quoted(f.name)})" if _has_map(f.dataType) else _quoted(f.name)
+        f"to_json({quoted(f.name)})" if _has_map(f.dataType) else quoted(f.name)
         for f in schema.fields
     ]
-    flags = [f"isnull({_quoted(f.name)})" for f in schema.fields]
+    flags = [f"isnull({quoted(f.name)})" for f in schema.fields]
     return f"xxhash64({', '.join([*values, *flags])})"
-
-
-def _quoted(name: str) -> str:
-    """A column name as a Spark SQL identifier."""
-    return "`" + name.replace("`", "``") + "`"
 
 
 def _has_map(kind: st.DataType) -> bool:
@@ -438,64 +425,6 @@ def _schema_of(fresh: pa.Table, batch: st.StructType) -> st.StructType:
     return st.StructType(
         [known.get(name) or st.StructField(name, st.StringType()) for name in fresh.column_names]
     )
-
-
-def _call(fn: SinkFunction, df: DataFrame, batch_id: int) -> SinkResult:
-    """``fn(df, batch_id)``, or ``fn(df)`` when it cannot take the batch id as a second
-    positional argument (counting its parameters took a keyword-only option for one)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn(df, batch_id)
-    try:
-        signature.bind(df, batch_id)
-    except TypeError:
-        return fn(df)
-    return fn(df, batch_id)
-
-
-def _failed_keys(result: SinkResult, key: str) -> Mapping[object, str] | None:
-    """Normalise what the sink returned to ``{key: error}`` (``None``: all succeeded)."""
-    if result is None or result is ConsumeConcurrentlyStatus.CONSUME_SUCCESS:
-        return None
-    if result is ConsumeConcurrentlyStatus.RECONSUME_LATER:
-        return {ConsumeConcurrentlyStatus.RECONSUME_LATER: "RECONSUME_LATER"}
-    if isinstance(result, Mapping):
-        return {_key_of(k, key): str(v) for k, v in result.items()}
-    if hasattr(result, "toArrow") and hasattr(result, "columns"):
-        if key not in result.columns:
-            raise ConfigError(
-                f"sink result: the returned DataFrame of failed rows has no key column {key!r}"
-            )
-        values = result.selectExpr(_quoted(key)).toArrow().column(0).to_pylist()
-        return dict.fromkeys(values, "rejected by the sink")
-    if isinstance(result, str | bytes) or not isinstance(result, Iterable):
-        raise ConfigError(
-            "sink result: return None, a ConsumeConcurrentlyStatus, the failed keys, a "
-            f"{{key: error}} mapping or a DataFrame of failed rows; got {type(result).__name__}"
-        )
-    return dict.fromkeys((_key_of(item, key) for item in result), "rejected by the sink")
-
-
-def _key_of(item: object, key: str) -> object:
-    """A returned failed key, or the key of a returned row: a ``Row`` (``df.collect()``
-    of the failed rows: a Row used as a key matched no row, and the row was committed as
-    done) or a mapping (``row.asDict()``, which failed the batch as unhashable)."""
-    if isinstance(item, Mapping):
-        if key not in item:
-            raise ConfigError(
-                f"sink result: a returned row (mapping) has no key column {key!r} "
-                f"(fields: {list(item)})"
-            )
-        return item[key]
-    if not isinstance(item, Row):
-        return item
-    fields = getattr(item, "__fields__", None)
-    if fields is None or key not in fields:
-        raise ConfigError(
-            f"sink result: a returned Row has no key column {key!r} (fields: {fields})"
-        )
-    return item[key]
 
 
 def _log_outcome(outcome: BatchOutcome) -> None:

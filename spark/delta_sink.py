@@ -18,8 +18,9 @@ from __future__ import annotations
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.redis_cluster import RedisClient
-from idem.spark.decorator import ExactlyOnce, SinkFunction, resolve_config
+from idem.spark.decorator import ExactlyOnce, resolve_config
 from idem.spark.messages import DEFAULT_TOPIC
+from idem.spark.sink_result import SinkFunction
 
 
 def delta_sink(

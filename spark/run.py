@@ -40,10 +40,11 @@ from idem.redis_client import connect, redacted
 from idem.redis_cluster import RedisClient
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
-from idem.spark.decorator import ExactlyOnce, SinkFunction
+from idem.spark.decorator import ExactlyOnce
 from idem.spark.faults import CrashPlan
 from idem.spark.file_source import file_rows, source_schema
 from idem.spark.retry_source import retry_stream
+from idem.spark.sink_result import SinkFunction
 from idem.spark.stats import StatsStore, Totals
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ from spark_helpers import config_for
 from idem.errors import ConfigError
 from idem.redis_server import RedisServer
 from idem.retry.engine import RetryEngine
-from idem.spark.decorator import SinkFunction, exactly_once
+from idem.spark.decorator import exactly_once
 from idem.spark.outcome import BatchOutcome
+from idem.spark.sink_result import SinkFunction
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
