@@ -88,10 +88,10 @@ class PendingClaim:
         if len(prints) != size:
             self.abandon()
             raise ValueError(f"fingerprints: {len(prints)} given for {size} keys")
-        if "|" in "".join(prints):  # the hot store's values are '<fingerprint>|<time>'
-            self.abandon()
-            bad = next(i for i, p in enumerate(prints) if "|" in p)
-            raise ValueError(f"fingerprints: row {bad}'s fingerprint {prints[bad]!r} contains '|'")
+        problem = _fingerprint_problem(prints)
+        if problem is not None:
+            self.abandon()  # the claims went out: read them back and give the leases up
+            raise ValueError(problem)
         result = self._verdicts()
         batch, owner = self.batch, self.owner
         duplicates, first = batch.duplicates, batch.first
@@ -179,6 +179,37 @@ class PendingClaim:
             dedup.hot.release(group_by_bucket(found, dedup.config.buckets), self.owner)
             result.duplicates.update(found)
         return set(found)
+
+
+def _fingerprint_problem(prints: Sequence[object]) -> str | None:
+    """Why a row's fingerprint cannot be stored, naming the row (``None``: all can).
+
+    The hot store keeps ``<fingerprint>|<time>`` and sends it as UTF-8, the ledger
+    keeps it as a string column: a fingerprint must be text, without ``'|'``, that
+    encodes (no lone surrogate). Found only after the claims went out, or only at
+    the commit, any of these left the keys held and the batch uncommittable.
+    """
+    try:
+        joined = "".join(prints)  # type: ignore[arg-type]  # a TypeError names no row
+        if "|" not in joined:
+            if not joined.isascii():  # hex digests are: nothing to encode then
+                joined.encode("utf-8")  # a lone surrogate raises
+            return None  # the usual case, checked in one pass
+    except (TypeError, UnicodeEncodeError):
+        pass
+    for row, value in enumerate(prints):
+        if not isinstance(value, str):
+            return f"fingerprints: row {row}'s fingerprint {value!r} is not text"
+        if "|" in value:  # the hot store's values are '<fingerprint>|<time>'
+            return f"fingerprints: row {row}'s fingerprint {value!r} contains '|'"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"fingerprints: row {row}'s fingerprint {value!r} is not valid Unicode text "
+                f"({exc.reason} at character {exc.start})"
+            )
+    return None
 
 
 def _merge_into(verdicts: ClaimResult, result: ClaimResult) -> ClaimResult:

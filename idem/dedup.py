@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
+from numbers import Integral
 
 import pyarrow as pa
 import redis
@@ -32,6 +33,26 @@ from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
 
 log = logging.getLogger(__name__)
+
+_TXN_MAX = 2**63 - 1
+"""The largest ``txnVersion`` (a Delta long), so the largest ``batch_id``."""
+
+
+def _txn_version(batch_id: object) -> int:
+    """``batch_id`` as a commit's ``txnVersion``, or a ``ValueError`` naming it.
+
+    Checked before anything else: a bool passed for 1 read as a replay of batch 1,
+    and a text or too big a number failed deep in Arrow or delta-rs, naming nothing.
+    """
+    if (
+        isinstance(batch_id, bool)
+        or not isinstance(batch_id, Integral)  # an int, or e.g. numpy's int64
+        or not 0 <= int(batch_id) <= _TXN_MAX
+    ):
+        raise ValueError(
+            f"batch_id: {batch_id!r} must be a whole number 0..2**63-1 (the commit's txnVersion)"
+        )
+    return int(batch_id)
 
 
 class Dedup:
@@ -159,6 +180,7 @@ class Dedup:
         become the commit's ``txnAppId``/``txnVersion``: a replayed batch adds
         nothing.
         """
+        batch_id = _txn_version(batch_id)
         indices = list(claim.fresh if succeeded is None else succeeded)
         fresh = set(claim.fresh)
         stray = [i for i in indices if i not in fresh]
