@@ -218,15 +218,22 @@ class RedisHotStore:
 
     def claim_route(self, bucket: int, now_ms: int) -> tuple[str, list[str]]:
         """The hash tag of ``bucket`` and the KEYS of a claim there at ``now_ms``: the
-        watermark, the current and previous completed generations, the claim generations."""
+        watermark, the completed generations it reads (:meth:`_read_generations`), the
+        claim generations."""
         tag = self._tags[self._bucket(bucket)]
-        gen = now_ms // self.completed_ttl_ms
         return tag, [
             self._wm[bucket],
-            self._completed_name(tag, gen),
-            self._completed_name(tag, gen - 1),
+            *(self._completed_name(tag, g) for g in self._read_generations(now_ms)),
             *self._claim_names(tag, now_ms),
         ]
+
+    def _read_generations(self, now_ms: int) -> tuple[int, int, int]:
+        """The completed generations a read at ``now_ms`` looks in: the current, the
+        previous (keys completed less than a window ago) and the next (completed by a
+        writer whose clock runs ahead, past a boundary this reader's clock has not
+        reached: missing it, a claim answered "new" for a key already done)."""
+        gen = now_ms // self.completed_ttl_ms
+        return gen, gen - 1, gen + 1
 
     def claim_arguments(self, now_ms: int, owner: str, *, min_version: int, mode: str) -> list[str]:
         """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow); ``mode``
@@ -432,12 +439,12 @@ class RedisHotStore:
         A key COMPLETED within the window wins over any claim left on it.
         """
         now = self.clock.now_ms()
-        gen = now // self.completed_ttl_ms
+        gens = self._read_generations(now)
         pipes = self._pipes()
         plan: list[Sequence[str]] = []
         for bucket, keys in keys_by_bucket.items():
             tag = self._tags[self._bucket(bucket)]
-            hashes = [self._completed_name(tag, g) for g in (gen, gen - 1)]
+            hashes = [self._completed_name(tag, g) for g in gens]
             hashes += self._claim_names(tag, now)
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = list(keys[start : start + CLAIM_CHUNK])
@@ -445,17 +452,17 @@ class RedisHotStore:
                     pipes.pipe(tag).hmget(name, chunk)
                 plan.append(chunk)
         replies = self._run(pipes, "lookup") if plan else []
-        per_chunk = 3 + self._span
+        per_chunk = len(gens) + 1 + self._span
         states: dict[str, KeyState] = {}
         for n, asked in enumerate(plan):
-            cur, prev, *claims = replies[per_chunk * n : per_chunk * (n + 1)]
+            cur, prev, ahead, *claims = replies[per_chunk * n : per_chunk * (n + 1)]
             for i, key in enumerate(asked):
                 claim = next((c[i] for c in claims if c[i] is not None), None)
-                states[key] = self._state(now, cur[i], prev[i], claim)
+                states[key] = self._state(now, (cur[i], ahead[i], prev[i]), claim)
         return states
 
-    def _state(self, now: int, cur: Any, prev: Any, claim: Any) -> KeyState:
-        for stored in (cur, prev):
+    def _state(self, now: int, stored_values: Sequence[Any], claim: Any) -> KeyState:
+        for stored in stored_values:
             if stored is not None:
                 fingerprint, _, at = as_text(stored).rpartition("|")
                 if int(at) + self.completed_ttl_ms > now:
@@ -594,7 +601,7 @@ class RedisHotStore:
         return sum(sizes)
 
     def held_keys(self, buckets: Iterable[int] | None = None) -> dict[int, int]:
-        """Completed keys each bucket holds in Redis now (current and previous generation).
+        """Completed keys each bucket holds in Redis now (the generations a claim reads).
 
         Counts what costs memory: the previous generation may still hold keys
         whose window has ended (they go when its hash expires).
@@ -602,15 +609,17 @@ class RedisHotStore:
         wanted = (
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
-        gen = self.clock.now_ms() // self.completed_ttl_ms
+        gens = self._read_generations(self.clock.now_ms())
         pipes = self._pipes()
         for bucket in wanted:
             tag = self._tags[bucket]
-            for g in (gen, gen - 1):
+            for g in gens:
                 pipes.pipe(tag).hlen(self._completed_name(tag, g))
         replies = self._run(pipes, "held_keys") if wanted else []
+        size = len(gens)
         return {
-            bucket: int(replies[2 * n]) + int(replies[2 * n + 1]) for n, bucket in enumerate(wanted)
+            bucket: sum(int(r) for r in replies[size * n : size * (n + 1)])
+            for n, bucket in enumerate(wanted)
         }
 
     def drop_watermark(self, bucket: int) -> None:

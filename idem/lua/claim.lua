@@ -1,8 +1,8 @@
 -- idem: claim a batch of business keys of ONE bucket (atomic per call).
 --
 -- KEYS[1]  watermark of the bucket      idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
--- KEYS[2..] every hash named below that this call may read or write: the current
---          and previous completed generations, the claim generations pgen-span..pgen
+-- KEYS[2..] every hash named below that this call may read or write: the current,
+--          previous and next completed generations, the claim generations pgen-span..pgen
 -- ARGV[1]  hash tag of the bucket       idem:{<group>:<bucket>}
 -- ARGV[2]  now_ms (from the caller's clock, never Redis TIME)
 -- ARGV[3]  owner token (no '|')
@@ -21,7 +21,9 @@
 -- Layout: COMPLETED keys live in generation hashes  <tag>:c:<window>:<gen>
 -- (field = key, value = <fingerprint>|<completed_at_ms>, gen = completed_at div
 -- window); a key is COMPLETED while completed_at + window > now, so the current
--- and the previous generation hold every live one. Claims live in generation
+-- and the previous generation hold every live one, and the next one too: a writer
+-- whose clock runs ahead of this caller's may have completed a key past the
+-- boundary already (every value there, and in the current one, is live). Claims live in generation
 -- hashes too:  <tag>:p:<width>:<pgen>  field = key, value =
 -- P|<owner>|<lease_until_ms>|<attempt>, pgen = claimed_at div width. span =
 -- ceil(lease / width), so generations pgen-span .. pgen hold every live lease
@@ -75,11 +77,15 @@ end
 local n = #keys
 local current = declared(tag .. ':c:' .. window .. ':' .. gen)
 local previous = declared(tag .. ':c:' .. window .. ':' .. (gen - 1))
+local following = declared(tag .. ':c:' .. window .. ':' .. (gen + 1))
 local none = {}  -- the reply of a lookup in a hash that does not exist
-local cur = present(current)
-  and gathered(keys, function(...) return redis.call('HMGET', current, ...) end) or none
-local prev = present(previous)
-  and gathered(keys, function(...) return redis.call('HMGET', previous, ...) end) or none
+local function looked_up(hash)
+  return present(hash) and gathered(keys, function(...) return redis.call('HMGET', hash, ...) end)
+    or none
+end
+local cur = looked_up(current)
+local prev = looked_up(previous)
+local ahead = looked_up(following)  -- usually absent: one EXISTS
 
 -- The claim generations, newest first; held[j] / where[j]: a key's newest claim.
 local pgen = math.floor(now / pwidth)
@@ -107,7 +113,7 @@ local writes, nw = {}, 0  -- field/value pairs to write, and how many values tha
 local moved = {}  -- per older generation: keys whose renewed claim now lives in the current one
 for j = 1, n do
   local done = false
-  local stored = cur[j] or prev[j]
+  local stored = cur[j] or ahead[j] or prev[j]  -- only prev's may have run out
   if stored then
     local fingerprint, at = string.match(stored, '^(.*)|(%d+)$')
     if at and tonumber(at) + width > now then
