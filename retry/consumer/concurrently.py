@@ -18,6 +18,8 @@ back at delay level 3 and removes it, so the offset can advance (redelivery case
 C7). RocketMQ scans every ``consumeTimeout`` minutes (a stuck message waits up
 to twice the timeout) and ignores a changed timeout; here the watchdog sleeps
 until the earliest deadline (at most 250 ms), and reads the timeout on every look.
+A message is sent back by one path only: the listener's late failure leaves a message
+the timeout sent back alone (RocketMQ would put a second copy on the ladder).
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ class ConcurrentlyService:
         failed = [messages[i] for i in sorted(result.failed)]
         self.rt.stats.add(consumed_ok=len(acked) + len(pending), consume_failed=len(failed))
         keep: list[MessageExt] = []
+        elsewhere: set[int] = set()
         if self.rt.broadcasting:
             keep = [messages[i] for i, f in sorted(result.failed.items()) if f.transient]
             dropped = sorted(
@@ -191,10 +194,11 @@ class ConcurrentlyService:
                 )
             self.rt.stats.add(broadcast_dropped=len(dropped))
         else:
-            keep = self._send_back(messages, result)
+            keep, elsewhere = self._send_back(messages, result, pq)
         # By queue offset, not msg id: a producer's resend (C1) can put two copies with
         # one msg id in one request, and the acknowledged copy must leave the queue.
         held = {m.queue_offset for m in keep} | {messages[i].queue_offset for i in pending}
+        held |= elsewhere  # the consume timeout's to place, or to give back if it cannot
         by_deferral: dict[int, tuple[Deferred, list[MessageExt]]] = {}
         for i, deferred in sorted(pending.items()):
             by_deferral.setdefault(id(deferred), (deferred, []))[1].append(messages[i])
@@ -205,6 +209,7 @@ class ConcurrentlyService:
         if self.rt.is_retry_queue(mq) and acked:
             self.rt.ack_retried(acked)
         if keep:
+            pq.release_send_back(keep)
             busy = {messages[i].queue_offset for i, f in result.failed.items() if not f.counts}
             again = [
                 m if m.queue_offset in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
@@ -246,28 +251,45 @@ class ConcurrentlyService:
         engine = self.rt.engine
         return engine.faults.resubmit_delay_ms if engine is not None else 5000
 
-    def _send_back(self, messages: Sequence[MessageExt], result: BatchResult) -> list[MessageExt]:
-        """Dead-letter and send back; returns the messages no path could place."""
+    def _send_back(
+        self, messages: Sequence[MessageExt], result: BatchResult, pq: ProcessQueue
+    ) -> tuple[list[MessageExt], set[int]]:
+        """Dead-letter and send back; returns the messages no path could place, and the
+        offsets of failed messages left alone: the consume timeout sent them back (or is
+        sending them) while the listener ran, and a second send-back would put a second
+        copy on the retry ladder."""
         engine = self.rt.engine
         if engine is None:
             raise IdemError("a clustering consumer needs a RetryEngine to send messages back")
+        failing = sorted({*result.dead, *result.failed})
+        mine = {m.queue_offset for m in pq.take_for_send_back([messages[i] for i in failing])}
+        elsewhere = {messages[i].queue_offset for i in failing} - mine
+        if elsewhere:
+            log.info(
+                "%s: %d failed message(s) of %s were sent back by the consume timeout",
+                self.rt.client_id,
+                len(elsewhere),
+                pq.mq,
+            )
         keep: list[MessageExt] = []
-        dead = [messages[i] for i in sorted(result.dead)]
+        dead_indices = [i for i in sorted(result.dead) if messages[i].queue_offset in mine]
+        dead = [messages[i] for i in dead_indices]
         if dead:
             errors: dict[str, str | BaseException] = {
-                messages[i].msg_id: r for i, r in result.dead.items()
+                messages[i].msg_id: result.dead[i] for i in dead_indices
             }
             keep += self._call_engine(dead, -1, errors)
             self.rt.stats.add(dead_lettered=len(dead))
         by_level: dict[tuple[int, bool], list[int]] = defaultdict(list)
         for i, failure in sorted(result.failed.items()):
-            by_level[failure.delay_level, failure.counts].append(i)
+            if messages[i].queue_offset in mine:
+                by_level[failure.delay_level, failure.counts].append(i)
         for (level, counts), indices in by_level.items():
             batch = [messages[i] for i in indices]
             errors = {messages[i].msg_id: result.failed[i].reason for i in indices}
             keep += self._call_engine(batch, level, errors, counts=counts)
             self.rt.stats.add(sent_back=len(batch))
-        return keep
+        return keep, elsewhere
 
     def _call_engine(
         self,
@@ -301,8 +323,12 @@ class ConcurrentlyService:
 
         A message the send-back could not place is found again after the re-submit
         delay (5 s, as a failed consume's local re-submit), not at the watchdog's next
-        look: a send-back path that is down is not hammered every 250 ms.
+        look: a send-back path that is down is not hammered every 250 ms. A message whose
+        listener answered meanwhile is left to that answer (removed, or being sent back).
         """
+        due = [e for e in due if e.pq.take_for_send_back([e.message])]
+        if not due:
+            return
         messages = [e.message for e in due]
         if self.rt.broadcasting:
             placed = {m.msg_id for m in messages}
@@ -332,6 +358,7 @@ class ConcurrentlyService:
                 self.watchdog.sent_back_lateness_ms.append(done - e.deadline_ms)
             else:
                 again = done - self.rt.consume_timeout_ms + self._resubmit_delay_ms()
+                e.pq.release_send_back([e.message])
                 e.pq.mark_consume_start([e.message], again)
         for mq, (pq, expired) in by_queue.items():
             self.rt.stats.add(expired=len(expired))

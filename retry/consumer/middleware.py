@@ -21,7 +21,8 @@ Around every consume call the middleware (DESIGN §1):
    (:meth:`~idem.retry.RetryEngine.send_back_busy`), never dropped. Among copies
    of one key in one call the retried copy (highest ``reconsume_times``) wins,
    then the lowest queue offset, then the earliest born time: a fresh
-   redelivery never cuts a retry chain short;
+   redelivery never cuts a retry chain short. Orderly, the fresh messages after a
+   busy one in queue order wait with it (busy too): they must not reach the sink first;
 4. completes the keys that reached the sink — the listener's
    :func:`~idem.retry.consumer.listener.mark_done` marks if it gave any,
    otherwise the messages it acknowledged — *after* the listener returned, so a
@@ -288,9 +289,12 @@ class DedupMiddleware:
                     result.failed[i] = Failure(f"dedup unavailable: {exc}", transient=True)
                 return result
             self._classify(messages, scope, raw, claim, here=here, result=result)
-            if claim.fresh:
+            fresh_k = list(claim.fresh)
+            if scope.orderly and result.failed:
+                fresh_k = self._hold_back_after_busy(messages, claim, here=here, result=result)
+            if fresh_k:
                 kept = self._run_fresh(
-                    messages, scope, claim, here=here, call_next=call_next, result=result
+                    messages, scope, claim, fresh_k, here=here, call_next=call_next, result=result
                 )
             return result
         finally:
@@ -423,6 +427,32 @@ class DedupMiddleware:
             busy=sum(1 for r in records if r.cause == BUSY),
         )
 
+    def _hold_back_after_busy(
+        self,
+        messages: Sequence[MessageExt],
+        claim: BatchClaim,
+        *,
+        here: list[int],
+        result: BatchResult,
+    ) -> list[int]:
+        """Orderly: the fresh messages after the first busy one (in queue order) wait with
+        it, busy too, their claims given back; returns the fresh rows that go on. Handed to
+        the listener now, they would reach the sink before the busy message, which the
+        queue consumes again only once its key is free."""
+        first_busy = min(messages[i].queue_offset for i in result.failed)
+        go: list[int] = []
+        wait: list[int] = []
+        for k in claim.fresh:
+            (wait if messages[here[k]].queue_offset > first_busy else go).append(k)
+        if wait:
+            self._release(claim, wait)
+            self.stats.add(fresh=-len(wait))
+            for k in wait:
+                result.failed[here[k]] = self._busy(
+                    "busy: an earlier message of this orderly queue is busy"
+                )
+        return go
+
     def _busy(self, reason: str) -> Failure:
         """A busy key: sent back after a short delay, not counted as a reconsume."""
         return Failure(reason, self.busy_delay_level, transient=True, counts=False)
@@ -432,13 +462,15 @@ class DedupMiddleware:
         messages: Sequence[MessageExt],
         scope: ConsumeScope,
         claim: BatchClaim,
+        fresh_k: Sequence[int],
         *,
         here: list[int],
         call_next: CallNext,
         result: BatchResult,
     ) -> set[str]:
-        """Consume the fresh messages; returns the keys left reserved for a pending commit."""
-        fresh = [here[k] for k in claim.fresh]
+        """Consume the fresh messages (rows ``fresh_k`` of ``claim``); returns the keys left
+        reserved for a pending commit."""
+        fresh = [here[k] for k in fresh_k]
         with collecting_marks() as marks:
             try:
                 inner = call_next([messages[i] for i in fresh])
@@ -455,15 +487,13 @@ class DedupMiddleware:
         result.dead.update(mapped.dead)
         result.suspend_ms = inner.suspend_ms
         if marks.used:
-            done_k = [k for k in claim.fresh if marks.is_done(messages[here[k]])]
+            done_k = [k for k in fresh_k if marks.is_done(messages[here[k]])]
         else:
             done_k = [
-                k
-                for k in claim.fresh
-                if here[k] not in mapped.failed and here[k] not in mapped.dead
+                k for k in fresh_k if here[k] not in mapped.failed and here[k] not in mapped.dead
             ]
         done = set(done_k)
-        release_k = [k for k in claim.fresh if k not in done]
+        release_k = [k for k in fresh_k if k not in done]
         if release_k:
             self._release(claim, release_k)
         if not done_k:

@@ -55,6 +55,9 @@ class ProcessQueue:
         self._awaiting_heap: list[int] = []
         """Offsets of awaiting messages, a min-heap; settled ones are dropped lazily when
         they reach the top (settling thousands one by one must not shift a list each)."""
+        self._sending: set[int] = set()
+        """Offsets of cached messages one path is sending back now (a consume result, the
+        consume timeout): the other path leaves them alone (:meth:`take_for_send_back`)."""
         self._size = 0
         self.queue_offset_max = -1
         self._dropped = False
@@ -171,6 +174,7 @@ class ProcessQueue:
                 continue
             del self._messages[offset]
             self._started.pop(offset, None)
+            self._sending.discard(offset)
             del self._offsets[bisect.bisect_left(self._offsets, offset)]
             self._size -= message_size(cached)
             removed.append(cached)
@@ -230,6 +234,31 @@ class ProcessQueue:
         with self._lock:
             cached = self._messages.get(message.queue_offset)
             return cached is not None and cached.msg_id == message.msg_id
+
+    def take_for_send_back(self, messages: Iterable[MessageExt]) -> list[MessageExt]:
+        """Of ``messages``, those still cached and not being sent back already; they are
+        this caller's to send back until removed or given back (:meth:`release_send_back`).
+
+        A stuck message's consume timeout and its listener's late failure would each send
+        it back: two copies on the retry ladder, and the listener runs for both.
+        """
+        with self._lock:
+            taken: list[MessageExt] = []
+            for message in messages:
+                offset = message.queue_offset
+                cached = self._messages.get(offset)
+                if cached is None or cached.msg_id != message.msg_id or offset in self._sending:
+                    continue
+                self._sending.add(offset)
+                taken.append(message)
+            return taken
+
+    def release_send_back(self, messages: Iterable[MessageExt]) -> None:
+        """Give back messages taken with :meth:`take_for_send_back` that stay cached (their
+        send-back could not place them)."""
+        with self._lock:
+            for message in messages:
+                self._sending.discard(message.queue_offset)
 
     # -- consume timeout -----------------------------------------------------------------
 
@@ -340,6 +369,7 @@ class ProcessQueue:
             self._consuming.clear()
             self._awaiting.clear()
             self._awaiting_heap.clear()
+            self._sending.clear()
             self._size = 0
 
     def __repr__(self) -> str:

@@ -79,6 +79,12 @@ log = logging.getLogger(__name__)
 HALF_HOUR_MS = 30 * 60_000
 RESET_NOTICE = "reset:"
 
+SHUTDOWN_FLUSH_MS = 30_000
+"""How long a shutdown waits, at least, for the acknowledgements a layer holds back (idem's
+group commit of messages already consumed), whatever ``await_termination_ms`` says: the
+sink holds those messages, and an offset persisted before their commit lets them be
+consumed again. A commit taking longer finishes in the background, uncounted."""
+
 
 class PushConsumer:
     """One instance of a consumer group (``DefaultMQPushConsumer``)."""
@@ -646,13 +652,16 @@ class PushConsumer:
 
     def _flush_middleware(self) -> None:
         """Let layers that hold acknowledgements back (idem's group commit) finish them, so the
-        offsets persisted next include them."""
+        offsets persisted next include them (waiting :data:`SHUTDOWN_FLUSH_MS` at least:
+        ``await_termination_ms`` bounds the wait for running listeners, RocketMQ's default
+        of 0 would persist before any pending commit)."""
+        timeout_ms = max(self.settings.await_termination_ms, SHUTDOWN_FLUSH_MS)
         for layer in self._middleware:
             flush = getattr(layer, "flush", None)
             if flush is None:
                 continue
             try:
-                if not flush(self.settings.await_termination_ms):
+                if not flush(timeout_ms):
                     log.warning(
                         "%s: %r did not finish its pending acknowledgements in time",
                         self.client_id,

@@ -166,7 +166,15 @@ class TopicStore:
             data["queue_offset"] = offset
             data["store_timestamp"] = int(_text(values.get("t", b"0")))
             return MessageExt.from_dict(data)
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError, SerializationError) as exc:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            UnicodeDecodeError,
+            SerializationError,
+            OverflowError,  # a number past any integer ("born_timestamp": 1e400)
+            RecursionError,  # JSON nested past the interpreter's limit
+        ) as exc:
             # Not a message idem's producer wrote: it still has its offset, so it must not
             # stop the queue. It goes on as a placeholder the consumer dead-letters.
             reason = (
