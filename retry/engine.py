@@ -51,7 +51,7 @@ from idem.retry.sendback import (
     SendBackProcessor,
 )
 from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
-from idem.retry.topic import RetryTopic
+from idem.retry.topic import DamagedEntry, RetryTopic
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -155,7 +155,11 @@ class RetryEngine:
         self.on_stage = on_stage
         self.client = client if client is not None else connect(config.redis_url)
         self.store = ScheduleStore(self.client, self.group)
-        self.topic = RetryTopic(self.store, reclaim_idle_ms=config.consume_timeout_ms)
+        self.topic = RetryTopic(
+            self.store,
+            reclaim_idle_ms=config.consume_timeout_ms,
+            on_damaged=self.dead_letter_damaged,
+        )
         self.journal = RetryJournal(
             config.resolved_journal_path,
             self.group,
@@ -428,6 +432,34 @@ class RetryEngine:
             for m in messages
         ]
         return self._send(decisions, app_id=app_id, txn_version=txn_version)
+
+    def dead_letter_damaged(self, damaged: Sequence[DamagedEntry]) -> int:
+        """Dead-letter entries of the retry topic that are not messages, with their reasons,
+        then remove them from the topic (by every read that finds one, see
+        :class:`RetryTopic`); returns how many were removed. One not dead-lettered or not
+        removed stays pending, to be dead-lettered when read again (still as one row).
+        """
+        if not damaged:
+            return 0
+        reasons = {d.message.msg_id: d.reason for d in damaged}
+        result = self.dead_letter([d.message for d in damaged], errors=reasons, reasons=reasons)
+        dead = {o.msg_id for o in result.dead}
+        done = [d.entry_id for d in damaged if d.message.msg_id in dead]
+        for entry in damaged:
+            fate = "dead-lettered" if entry.message.msg_id in dead else "left pending"
+            log.warning("%s: %s", entry.reason, fate)
+        if not done:
+            return 0
+        try:
+            return self._redis(
+                lambda: self.topic.remove_entries(done),
+                what=f"remove dead-lettered entries from {self.topic.name}",
+            )
+        except StoreUnavailable:
+            # the good messages of the same read must still reach the consumer; the entries
+            # are read again (XAUTOCLAIM, the Spark stream's next commit), the DLQ unchanged
+            log.warning("dead-lettered entries stay in %s for now", self.topic.name, exc_info=True)
+            return 0
 
     # -- journal <-> Redis ---------------------------------------------------------------
 

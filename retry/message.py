@@ -30,6 +30,11 @@ TIMER_TOPIC: Final = "rmq_sys_wheel_timer"
 TIMER_QUEUE: Final = "timer"
 """Schedule queue id of custom delays (exponential policy); levels use ``level - 1``."""
 
+INT32_MAX: Final = 2**31 - 1
+"""The largest ``reconsume_times`` a message may carry, and the bound of its ``DELAY``
+level: the retry journal and ``%DLQ%<group>`` store them as Arrow ``int32`` (a Java
+``int`` in RocketMQ)."""
+
 
 class MessageConst:
     """RocketMQ's property names (``org.apache.rocketmq.common.message.MessageConst``)."""
@@ -47,6 +52,9 @@ class MessageConst:
     # idem's own additions, prefixed so they never collide with RocketMQ's.
     PROPERTY_FIRST_FAILED_AT: Final = "IDEM_FIRST_FAILED_AT"
     PROPERTY_ERRORS: Final = "IDEM_ERRORS"
+    PROPERTY_UNDECODABLE: Final = "IDEM_UNDECODABLE"
+    """On a placeholder for a stored entry that is not a message: why (the same marker as
+    :data:`idem.retry.consumer.topics.UNDECODABLE`)."""
 
 
 def retry_topic(group: str) -> str:
@@ -137,6 +145,12 @@ class MessageExt:
                 raise TypeError(f"{name}: must be a string or None, got {type(text).__name__}")
         if self.reconsume_times < 0:
             raise ValueError(f"reconsume_times: must be >= 0, got {self.reconsume_times}")
+        if self.reconsume_times > INT32_MAX:
+            # refused here, naming the limit, rather than as pyarrow's overflow when the
+            # message is journaled or dead-lettered
+            raise ValueError(
+                f"reconsume_times: {self.reconsume_times} is over the limit {INT32_MAX}"
+            )
         bad = [
             k
             for k, v in self.properties.items()
@@ -165,9 +179,22 @@ class MessageExt:
 
     @property
     def delay_level(self) -> int:
-        """The ``DELAY`` property (0 when not scheduled by level)."""
+        """The ``DELAY`` property (0 when not scheduled by level).
+
+        A value that is not a whole number of ASCII digits (an optional ``-`` first)
+        within ``int32`` raises :class:`ValueError` naming the property and the limit.
+        """
         raw = self.properties.get(MessageConst.PROPERTY_DELAY_TIME_LEVEL, "0")
-        return int(raw) if raw.lstrip("-").isdigit() else 0
+        digits = raw.removeprefix("-")
+        # isdigit() alone takes "²" and other digits int() refuses
+        if digits.isascii() and digits.isdigit() and len(digits) <= len(str(INT32_MAX)):
+            level = int(raw)
+            if -INT32_MAX - 1 <= level <= INT32_MAX:
+                return level
+        raise ValueError(
+            f"properties[{MessageConst.PROPERTY_DELAY_TIME_LEVEL!r}]: {raw!r} is not a delay "
+            f"level (a whole number in ASCII digits, from {-INT32_MAX - 1} to {INT32_MAX})"
+        )
 
     def with_properties(self, **changes: str | None) -> MessageExt:
         """A copy with properties set (a ``None`` value removes the property)."""
@@ -231,7 +258,8 @@ class MessageExt:
         except KeyError as exc:
             missing = exc.args[0]
             raise SerializationError(f"message envelope: field {missing!r} is missing") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: JSON's 1e400 is a float infinity, which int() refuses so
             raise SerializationError(f"message envelope: {exc}") from None
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:

@@ -10,6 +10,7 @@ policy, delivered by the timer queue).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -153,6 +154,10 @@ def exponential_backoff(
     initial_ms: int, multiplier: float, max_ms: int, levels: DelayLevels | None = None
 ) -> Backoff:
     """``min(initial * multiplier ** reconsume_times, max)``; a client-chosen level wins."""
+    for name, value in (("initial_ms", initial_ms), ("multiplier", multiplier), ("max_ms", max_ms)):
+        # NaN passes every comparison below, and an infinity ends in int(inf) on send-back
+        if not math.isfinite(value):
+            raise ConfigError(f"exponential retry: {name}: must be a finite number, got {value}")
     if initial_ms <= 0 or max_ms < initial_ms or multiplier < 1:
         raise ConfigError(
             "exponential retry: need initial_ms > 0, max_ms >= initial_ms and multiplier >= 1 "

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.errors import IdemError
+from idem.errors import ConfigError, IdemError
 from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.store import ScheduleStore
 
@@ -85,6 +85,10 @@ class ScheduleService:
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+        if isinstance(max_idle_ms, bool) or not isinstance(max_idle_ms, int) or max_idle_ms < 1:
+            # with nothing due the loop would wait max_idle_ms: 0 or less never waits (a busy
+            # loop on Redis), as `idem schedule --max-idle-ms` refuses too
+            raise ConfigError(f"max_idle_ms: must be a whole number >= 1, got {max_idle_ms!r}")
         self.store = store
         self.clock = clock
         self.batch_size = batch_size

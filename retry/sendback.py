@@ -3,7 +3,9 @@
 For a failed message it decides, through the group's :class:`RetryPolicy`:
 
 - delay level ``< 0``, or ``reconsume_times >= max_reconsume_times`` (16):
-  the message goes to ``%DLQ%<group>``;
+  the message goes to ``%DLQ%<group>`` (so does one whose ``reconsume_times`` is
+  already at the ``int32`` limit the journal and the DLQ store, under a policy
+  that never gives up);
 - otherwise a new message is built: a new msg id, ``ORIGIN_MESSAGE_ID`` kept,
   ``RETRY_TOPIC`` = the original topic, ``RECONSUME_TIME`` / ``reconsume_times``
   + 1, ``MAX_RECONSUME_TIMES``; it is stored in ``SCHEDULE_TOPIC_XXXX`` queue
@@ -30,6 +32,7 @@ from idem.config import DEFAULT_MAX_MESSAGE_BYTES
 from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
 from idem.retry.dlq import DeadLetter
 from idem.retry.message import (
+    INT32_MAX,
     SCHEDULE_TOPIC,
     TIMER_QUEUE,
     TIMER_TOPIC,
@@ -149,6 +152,10 @@ class SendBackProcessor:
         decision = self.policy(state)
         if decision.delay is None:
             why = decision.reason if reason is None else reason
+            return self._dead(message, with_failure(message, failure), why, now)
+        if message.reconsume_times >= INT32_MAX:
+            # a policy that never gives up: the resend could not be journaled nor stored
+            why = f"reconsume_times: {message.reconsume_times} + 1 is over the limit {INT32_MAX}"
             return self._dead(message, with_failure(message, failure), why, now)
 
         delay = decision.delay

@@ -6,17 +6,41 @@ that died mid-batch does not strand its messages. On read, a message is turned
 back from its schedule form (``messageTimeup``: topic = ``REAL_TOPIC``) and then
 ``reset_retry_topic`` restores the topic it was first published to
 (``RETRY_TOPIC``), exactly as a RocketMQ clustering consumer does.
+
+An entry that is not an idem message (no ``m`` field, bytes that are not the wire
+form: something else wrote it, or it was damaged) must not stop every reader of
+the topic. It is decoded to a :class:`DamagedEntry`, a placeholder message with its
+raw bytes and the reason, and handed to ``on_damaged`` (the engine dead-letters it,
+then removes it from the topic), while the good entries around it read as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, cast
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, cast
 
 import redis
 
+from idem.errors import SerializationError
 from idem.retry.message import MessageConst, MessageExt, retry_topic
 from idem.retry.store import Op, ScheduleStore
+
+log = logging.getLogger(__name__)
+
+WIRE_FIELD: Final = "m"
+"""The field of a retry topic entry that holds the message's wire form (``move.lua``)."""
+
+_NOT_A_MESSAGE: tuple[type[Exception], ...] = (
+    KeyError,
+    TypeError,
+    ValueError,
+    UnicodeDecodeError,
+    SerializationError,
+)
+"""What decoding an entry that is not an idem message raises."""
 
 _SCHEDULE_ONLY = (
     MessageConst.PROPERTY_REAL_TOPIC,
@@ -34,7 +58,8 @@ def message_timeup(message: MessageExt, *, queue_offset: int, store_timestamp: i
     cleared = message.with_properties(**dict.fromkeys(_SCHEDULE_ONLY))
     return cleared.evolve(
         topic=topic,
-        queue_id=int(raw_qid) if raw_qid.isdigit() else 0,
+        # isdigit() alone takes "²", which int() refuses
+        queue_id=int(raw_qid) if raw_qid.isascii() and raw_qid.isdigit() else 0,
         queue_offset=queue_offset,
         store_timestamp=store_timestamp,
     )
@@ -52,16 +77,61 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class RetryTopic:
-    """Consumer-group reads of ``%RETRY%<group>`` (read, reclaim, raw ack)."""
+def _lossless_text(value: Any) -> str:
+    """``value`` as text that can be stored whatever its bytes (``\\xff`` for a bad byte)."""
+    raw = value if isinstance(value, bytes) else str(value).encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
 
-    def __init__(self, store: ScheduleStore, *, reclaim_idle_ms: int) -> None:
+
+@dataclass(frozen=True, slots=True)
+class DamagedEntry:
+    """An entry of ``%RETRY%<group>`` that is not an idem message.
+
+    ``message`` is its placeholder for the DLQ row: topic ``%RETRY%<group>``, msg id
+    ``UNDECODABLE-%RETRY%<group>-<entry id>`` (the same on every read, so a repeated
+    dead letter adds no row), the raw ``m`` bytes as the body (the entry's fields as
+    JSON when it has no ``m``), and ``reason`` in its ``IDEM_UNDECODABLE`` property.
+    """
+
+    entry_id: str
+    message: MessageExt
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetryEntries:
+    """Stream entries decoded: the messages, and the entries that are not messages."""
+
+    messages: list[MessageExt]
+    damaged: list[DamagedEntry]
+
+
+DamagedHandler = Callable[[Sequence[DamagedEntry]], object]
+"""What a consumer-group read does with entries that are not messages (see
+:meth:`idem.retry.RetryEngine.dead_letter_damaged`)."""
+
+
+class RetryTopic:
+    """Consumer-group reads of ``%RETRY%<group>`` (read, reclaim, raw ack).
+
+    ``on_damaged`` gets the entries of a consumer-group read that are not messages;
+    without it they are logged and left where they are (pending, never acknowledged).
+    """
+
+    def __init__(
+        self,
+        store: ScheduleStore,
+        *,
+        reclaim_idle_ms: int,
+        on_damaged: DamagedHandler | None = None,
+    ) -> None:
         self.store = store
         self.client = store.client
         self.group = store.group
         self.key = store.keys.stream
         self.reclaim_idle_ms = reclaim_idle_ms
         self.name = retry_topic(self.group)
+        self.on_damaged = on_damaged
 
     def ensure_group(self) -> None:
         """Create the consumer group (from the start of the stream) if it is missing."""
@@ -71,26 +141,73 @@ class RetryTopic:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def entries_to_messages(self, entries: Sequence[Any] | None) -> list[MessageExt]:
+    def decode(self, entries: Sequence[Any] | None) -> RetryEntries:
         """Stream entries (``XRANGE`` / ``XREADGROUP`` replies) as the consumer sees them.
 
         Each lands in its real topic (``message_timeup``) with the original topic
-        restored (``reset_retry_topic``); entries deleted while pending are skipped.
+        restored (``reset_retry_topic``); entries deleted while pending are skipped;
+        an entry that is not a message becomes a :class:`DamagedEntry`.
         """
-        out: list[MessageExt] = []
+        messages: list[MessageExt] = []
+        damaged: list[DamagedEntry] = []
         for entry_id, fields in entries or ():
             if not fields:  # deleted while pending
                 continue
             sid = _text(entry_id)
-            values = {_text(k): v for k, v in fields.items()}
-            message = MessageExt.from_wire(values["m"])
-            landed = message_timeup(
-                message,
-                queue_offset=int(_text(values.get("o", b"0"))),
-                store_timestamp=int(sid.split("-", 1)[0]),
-            )
-            out.append(reset_retry_topic(landed, self.group))
-        return out
+            try:
+                messages.append(self._landed(sid, fields))
+            except _NOT_A_MESSAGE as exc:
+                damaged.append(self._damaged(sid, fields, exc))
+        return RetryEntries(messages, damaged)
+
+    def _landed(self, sid: str, fields: Mapping[Any, Any]) -> MessageExt:
+        values = {_text(k): v for k, v in fields.items()}
+        message = MessageExt.from_wire(values[WIRE_FIELD])
+        offset = _text(values.get("o", b"0"))
+        if not (offset.isascii() and offset.isdigit()):
+            raise ValueError(f"field 'o' (queue offset): {offset!r} is not a whole number")
+        landed = message_timeup(
+            message, queue_offset=int(offset), store_timestamp=int(sid.split("-", 1)[0])
+        )
+        return reset_retry_topic(landed, self.group)
+
+    def _damaged(self, sid: str, fields: Mapping[Any, Any], exc: Exception) -> DamagedEntry:
+        values = {_lossless_text(k): v for k, v in fields.items()}
+        wire = values.get(WIRE_FIELD)
+        if wire is None:
+            names = sorted(values)
+            listed = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+            why = f"it has no field {WIRE_FIELD!r}, only: {listed}"
+            # nothing else holds its bytes: its fields, as text that keeps every byte
+            body = json.dumps(
+                {name: _lossless_text(v) for name, v in values.items()}, ensure_ascii=False
+            ).encode("utf-8")
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+            body = wire if isinstance(wire, bytes) else _lossless_text(wire).encode("utf-8")
+        reason = _lossless_text(f"undecodable: {self.name} entry {sid} is not a message ({why})")
+        placeholder = MessageExt(
+            topic=self.name,
+            msg_id=f"UNDECODABLE-{self.name}-{sid}",
+            body=body,
+            store_timestamp=int(sid.split("-", 1)[0]),
+            properties={MessageConst.PROPERTY_UNDECODABLE: reason},
+        )
+        return DamagedEntry(sid, placeholder, reason)
+
+    def entries_to_messages(self, entries: Sequence[Any] | None) -> list[MessageExt]:
+        """The messages of entries a consumer-group read delivered (see :meth:`decode`).
+
+        The entries that are not messages go to ``on_damaged`` first: they are
+        delivered too (pending), and must end somewhere rather than be skipped.
+        """
+        decoded = self.decode(entries)
+        if decoded.damaged:
+            if self.on_damaged is not None:
+                self.on_damaged(decoded.damaged)
+            else:
+                _left_in_place(decoded.damaged)
+        return decoded.messages
 
     def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[MessageExt]:
         """Up to ``count`` messages for ``consumer``: stale ones first, then new ones.
@@ -134,7 +251,26 @@ class RetryTopic:
         entries = self.client.xrange(
             self.key, min=f"({after}" if after != "0-0" else "-", max=until, count=count
         )
-        return self.entries_to_messages(entries)
+        decoded = self.decode(entries)
+        _left_in_place(decoded.damaged)  # an inspection: it acknowledges nothing
+        return decoded.messages
+
+    def remove_entries(self, entry_ids: Sequence[str]) -> int:
+        """Delete entries from the topic by stream id and acknowledge them; returns how many
+        were there.
+
+        For entries that are not messages (:class:`DamagedEntry`): no msg id names them
+        in Redis nor in the journal, so :meth:`ack` cannot reach them.
+        """
+        if not entry_ids:
+            return 0
+        pipe = self.client.pipeline(transaction=True)
+        # XDEL first: an entry deleted but still pending is dropped by the next XAUTOCLAIM;
+        # one acknowledged but not deleted would stay in the stream, unread, for ever
+        pipe.xdel(self.key, *entry_ids)
+        pipe.xack(self.key, self.group, *entry_ids)
+        deleted, _acked = pipe.execute()
+        return int(deleted)
 
     def ack(self, messages: Sequence[MessageExt]) -> int:
         """Remove ``messages`` from the topic in Redis only (not journaled).
@@ -144,3 +280,8 @@ class RetryTopic:
         """
         result = self.store.apply_direct([Op("R", m.msg_id) for m in messages])
         return result.removed
+
+
+def _left_in_place(damaged: Sequence[DamagedEntry]) -> None:
+    for entry in damaged:
+        log.warning("%s; left in the topic", entry.reason)

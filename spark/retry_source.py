@@ -27,6 +27,10 @@ level to the topic), so retries start batches even when the main source is
 idle. A batch reads the id range ``(start, end]`` (``XRANGE``): a replay after
 a crash reads the same messages, and messages are acknowledged (journaled,
 then removed) only when Spark commits the batch.
+
+An entry of the topic that is not a message at all (no ``m`` field, bytes that are
+not idem's wire form) has no row to become: the batch leaves it out, and when Spark
+commits the batch it is dead-lettered with its reason and raw bytes, then removed.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from idem.config import IdemConfig
 from idem.errors import ConfigError
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
-from idem.retry.topic import RetryTopic
+from idem.retry.topic import RetryEntries
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
     MALFORMED_COLUMN,
@@ -217,17 +221,23 @@ class RetryStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The rows of the messages in the partition's id range."""
         assert isinstance(partition, _RangePartition)
         rows = RetryRows(RowCodec.from_schema_json(self.options["schema"]))
-        for message in _messages_between(self.config, partition.after, partition.until):
+        entries = _entries_between(self.config, partition.after, partition.until)
+        for damaged in entries.damaged:
+            log.warning("retry stream: %s; dead-lettered when the batch commits", damaged.reason)
+        for message in entries.messages:
             yield rows.row(message)
 
     def commit(self, end: dict[str, str]) -> None:
-        """Spark committed up to ``end``: acknowledge those messages (journal, then Redis)."""
+        """Spark committed up to ``end``: acknowledge those messages (journal, then Redis),
+        and dead-letter the entries that were not messages (then remove them)."""
         until = end.get("id", _START)
         if until == _START:
             return
-        messages = _messages_between(self.config, _START, until, engine=self.engine)
-        if messages:
-            self.engine.ack(messages)
+        entries = _entries_between(self.config, _START, until, engine=self.engine)
+        if entries.damaged:
+            self.engine.dead_letter_damaged(entries.damaged)
+        if entries.messages:
+            self.engine.ack(entries.messages)
 
     def stop(self) -> None:
         """Close the engine's connections."""
@@ -241,18 +251,18 @@ def _engine(config: IdemConfig) -> RetryEngine:
     return RetryEngine(config)
 
 
-def _messages_between(
+def _entries_between(
     config: IdemConfig, after: str, until: str, *, engine: RetryEngine | None = None
-) -> list[MessageExt]:
-    """Messages of the retry topic with ids in ``(after, until]``, as a consumer sees them."""
+) -> RetryEntries:
+    """Entries of the retry topic with ids in ``(after, until]``, decoded as a consumer sees
+    them (nothing is dead-lettered here: a task may run again)."""
     own = engine is None
     engine = engine or _engine(config)
     try:
-        topic = RetryTopic(engine.store, reclaim_idle_ms=config.consume_timeout_ms)
         entries = engine.store.client.xrange(
             engine.store.keys.stream, min=after if after == _START else f"({after}", max=until
         )
-        return topic._entries_to_messages(entries)
+        return engine.topic.decode(entries)
     finally:
         if own:
             close = getattr(engine, "close", None)
