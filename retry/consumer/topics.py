@@ -28,9 +28,9 @@ import redis
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, SerializationError
 from idem.redis_cluster import RedisClient
-from idem.retry.message import MessageExt
+from idem.retry.message import MessageConst, MessageExt
 
-UNDECODABLE = "IDEM_UNDECODABLE"
+UNDECODABLE = MessageConst.PROPERTY_UNDECODABLE
 """Property of a placeholder for a queue entry that is not a message: the reason."""
 
 DEFAULT_QUEUE_NUMS = 4
