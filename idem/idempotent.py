@@ -16,6 +16,8 @@ import functools
 import inspect
 import json
 import logging
+import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -131,6 +133,30 @@ def idempotent(
     return decorate
 
 
+class _AppTransactions:
+    """The Delta app transactions of one decorated function's calls: one app id per
+    process and thread, its version counting that thread's calls.
+
+    Delta keeps the last version of every app id in the table's state for ever, so an
+    app id per call grew every snapshot and checkpoint of the ledger by one entry per
+    call. The calls of one thread commit one after another, so their versions reach the
+    ledger in order (a version below one already committed would read as a replay).
+    """
+
+    def __init__(self) -> None:
+        self._token = uuid.uuid4().hex[:12]
+        self._lock = threading.Lock()
+        self._next: dict[str, int] = {}
+
+    def take(self, group: str) -> tuple[str, int]:
+        """The app id and txn version of the calling thread's next commit."""
+        app_id = f"idem:{group}:calls:{self._token}:{os.getpid()}:{threading.get_ident()}"
+        with self._lock:  # a thread's ident may be reused later: its count goes on
+            version = self._next.get(app_id, 0)
+            self._next[app_id] = version + 1
+        return app_id, version
+
+
 @dataclass
 class _Settings:
     key: KeySource
@@ -154,6 +180,7 @@ class _IdempotentCall(Generic[R]):
             )
         self.func = func
         self.s = settings
+        self.txns = _AppTransactions()
         self.signature = inspect.signature(func)
         name = settings.pass_key_as
         if name is not None and name not in self.signature.parameters:
@@ -212,17 +239,23 @@ class _IdempotentCall(Generic[R]):
         except BaseException:
             dd.release(claim)
             raise
+        app_id, txn_version = self.txns.take(dd.config.group)
         try:
             stored = _to_json(value, what="result") if self.s.replay_result else None
         except SerializationError as exc:
             # The body ran: its key is completed all the same (running it again is what
             # this decorator exists to prevent), without a result to replay.
-            dd.complete(claim, batch_id=0)
+            dd.complete(claim, batch_id=txn_version, app_id=app_id)
             raise SerializationError(
                 f"{exc}; the call ran and key {the_key!r} is completed, but a repeat cannot "
                 "return this result (replay_result needs JSON values)"
             ) from exc
-        dd.complete(claim, batch_id=0, results={0: stored} if stored is not None else None)
+        dd.complete(
+            claim,
+            batch_id=txn_version,
+            app_id=app_id,
+            results={0: stored} if stored is not None else None,
+        )
         return value
 
     def _on_repeat(

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
+from deltalake import DeltaTable
 
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch, SerializationError
 from idem.idempotent import idempotent
+from idem.ledger import read_table
 
 
 @dataclass
@@ -214,3 +218,35 @@ def test_a_result_that_is_not_json_still_completes_the_key_so_the_body_never_run
         charge("ORDER-1")
     assert charge("ORDER-1") is None  # a repeat: not run again
     assert runs == ["ORDER-1"]
+
+
+def _txn_app_ids(table_path: str) -> set[str]:
+    """The app ids of every Delta app transaction in the table's log (state Delta keeps)."""
+    apps: set[str] = set()
+    for entry in sorted(Path(table_path, "_delta_log").glob("*.json")):
+        for line in entry.read_text().splitlines():
+            action = json.loads(line)
+            if "txn" in action:
+                apps.add(action["txn"]["appId"])
+    return apps
+
+
+def test_calls_share_an_app_transaction_per_thread_so_the_table_state_stays_small(
+    dedup: Dedup,
+) -> None:
+    """Delta keeps the last version of every app id in the table's state for ever: an app
+    id per call grew every snapshot and checkpoint by one entry per call."""
+
+    @idempotent(key=lambda order_id: order_id, dedup=dedup)
+    def ship(order_id: str) -> str:
+        return "shipped"
+
+    for i in range(20):
+        assert ship(f"A{i}") == "shipped"
+    worker = threading.Thread(target=lambda: [ship(f"B{i}") for i in range(5)])
+    worker.start()
+    worker.join()
+    assert ship("A3") is None  # still once per key
+    assert len(_txn_app_ids(dedup.ledger.path)) == 2  # this thread's, and the worker's
+    keys = read_table(DeltaTable(dedup.ledger.path), ["key"]).column("key").to_pylist()
+    assert sorted(keys) == sorted([f"A{i}" for i in range(20)] + [f"B{i}" for i in range(5)])
