@@ -109,18 +109,21 @@ class OrderlyService:
         if self.locks is None:
             pq.locked = True
             return True
+        # Read before the call: Redis starts the lock's TTL when it runs the script, so a
+        # time read after the reply would trust the lock a round trip longer than it lasts.
+        asked_at = self.rt.clock.now_ms()
         held = mq in self.locks.lock([mq])
         if held:
             pq.locked = True
-            pq.last_lock_ms = self.rt.clock.now_ms()
+            pq.last_lock_ms = asked_at
         return held
 
     def lock_all(self, queues: Sequence[tuple[MessageQueue, ProcessQueue]]) -> None:
         """Renew every held lock (``lockAll``); a queue that lost its lock stops consuming."""
         if self.locks is None or not queues:
             return
+        now = self.rt.clock.now_ms()  # before the call, as in lock_queue
         held = self.locks.lock(mq for mq, _ in queues)
-        now = self.rt.clock.now_ms()
         for mq, pq in queues:
             if mq in held:
                 pq.locked = True
