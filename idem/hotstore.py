@@ -54,7 +54,7 @@ from redis.commands.core import Script
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
-from idem.errors import StoreUnavailable
+from idem.errors import ConfigError, StoreUnavailable
 from idem.hotstore_types import (
     ABSENT,
     ClaimResult,
@@ -500,6 +500,33 @@ class RedisHotStore:
         return marks
 
     # -- the ledger index --------------------------------------------------------------
+
+    def bind_ledger(self, ledger: str) -> None:
+        """Record ``ledger`` as the one ledger this group's index covers, or refuse another.
+
+        The index is rebuilt from a ledger after Redis loses data (a flush, a restart
+        from an older snapshot). Two ledgers under one group (a Delta sink's table and a
+        function sink's or consumer's own ledger) each rebuild it from their own keys
+        only, and a key done through the other ledger could then be applied again. The
+        record lives beside bucket 0's watermark, so it goes with the index.
+        """
+        name = f"{self._tags[0]}:ledger"
+        try:
+            stored = self.client.get(name)
+            if stored is None:
+                if self.client.set(name, ledger, nx=True):
+                    return
+                stored = self.client.get(name)  # another writer recorded one meanwhile
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"Redis ledger check for group {self.group!r} failed: {exc}"
+            ) from exc
+        if stored is not None and as_text(stored) != ledger:
+            raise ConfigError(
+                f"ledger_path: group {self.group!r} is indexed for the ledger at "
+                f"{as_text(stored)}, not {ledger}; a group has one ledger (a function sink "
+                "or consumer beside a Delta sink needs a group of its own)"
+            )
 
     def index_completed(
         self,

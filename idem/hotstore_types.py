@@ -101,6 +101,10 @@ class HotStore(Protocol):
         """Refuse a store that may drop keys silently."""
         ...
 
+    def bind_ledger(self, ledger: str) -> None:
+        """Record ``ledger`` as the group's one ledger, or refuse another one."""
+        ...
+
     def claim(
         self,
         keys_by_bucket: Mapping[int, Sequence[str]],

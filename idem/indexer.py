@@ -128,6 +128,9 @@ class Indexer:
         seen_version, seen = self._seen
         if not recheck and version == seen_version and seen.issuperset(wanted):
             return version
+        # Whenever the watermarks are read (not in the steady state above): a second
+        # ledger under this group is refused as soon as both write.
+        self._hot.bind_ledger(self._ledger.path)
         marks = self._hot.watermarks(wanted)
         if self.catch_up_grace_ms > 0 and any(
             mark is not None and mark < version for mark in marks.values()
