@@ -124,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except IdemError as exc:
         print(f"idem: error: {in_flags(args, exc)}", file=sys.stderr)
         return exit_code(exc)
+    except redis.RedisError as exc:
+        # a call the command made without wrapping it (a StoreUnavailable would say more);
+        # still Redis unreachable or failing, not a bug: exit 3 in one line, as promised
+        print(f"idem: error: Redis failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_REDIS
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 

@@ -89,6 +89,9 @@ def _rebuild(args: argparse.Namespace) -> int:
         )
         return 0
     if args.all:
+        # refused (ConfigError) when the group's index covers another ledger: before the
+        # drop, or every bucket would be left to rebuild on the next batch
+        hot.bind_ledger(dd.ledger.path)
         for bucket in range(hot.buckets):
             hot.drop_watermark(bucket)
     started = time.perf_counter()

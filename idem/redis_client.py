@@ -54,8 +54,31 @@ def redis_url_problem(url: object) -> str | None:
         parts = urlsplit(url)
     except ValueError as exc:  # e.g. an unclosed IPv6 bracket
         return f"{redacted(url)!r} is not a valid URL ({exc})"
+    if scheme != "unix" and _userinfo_spilled(parts):
+        # whatever urllib took for the port or the database is part of the password
+        return (
+            "the user or password holds an unencoded '/', '?' or '#', which ends the "
+            "host part early: percent-encode it (%2F, %3F, %23); the URL is not shown"
+        )
     problem = _unix_problem(parts) if scheme == "unix" else _tcp_problem(parts)
     return problem or _options_problem(scheme, rest)
+
+
+def _userinfo_spilled(parts: SplitResult) -> bool:
+    """Whether the ``@`` that ends the user and password comes after urllib's host part.
+
+    An unencoded ``/``, ``?`` or ``#`` in a password ends the host part there, so the
+    rest of the password lands in the path, query or fragment, and its start reads as
+    a port. A TCP URL's path is a database number and a fragment means nothing, so an
+    ``@`` there always means this; in the query it does unless it sits in a value
+    (``?password=a@b``, which redis-py takes).
+    """
+    if "@" in parts.netloc:
+        return False
+    if "@" in parts.path or "@" in parts.fragment:
+        return True
+    before, at, _ = parts.query.partition("@")
+    return bool(at) and "=" not in before.rpartition("&")[2]
 
 
 def _tcp_problem(parts: SplitResult) -> str | None:
@@ -201,17 +224,30 @@ def _check_one(client: redis.Redis) -> None:
         )
 
 
+_QUERY_PASSWORD = re.compile(r"(^|&)(password=)[^&]*")
+
+
 def redacted(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for logs and error messages."""
+    """``url`` with its password replaced by ``***``, for logs and error messages: the
+    one after the user, or redis-py's ``?password=`` query argument."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:  # not a URL urllib can split: hide whatever precedes an '@'
-        scheme, sep, rest = url.rpartition("://")
-        _, at, host = rest.rpartition("@")
-        return f"{scheme}{sep}***@{host}" if at else url
-    if password is None:
+        return _hide_before_at(url)
+    if _userinfo_spilled(parts):  # urllib sees no password, but one is there
+        return _hide_before_at(url)
+    query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
+    netloc = parts.netloc
+    if password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rpartition('@')[2]}"
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _hide_before_at(url: str) -> str:
+    """``url`` with everything between its scheme and its last ``@`` hidden."""
+    scheme, sep, rest = url.rpartition("://")
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}***@{host}" if at else url

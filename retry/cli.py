@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -25,9 +26,12 @@ from typing import Any
 from idem.cli import EXIT_INTERRUPTED
 from idem.cli_args import check_not_a_file, path_flag, positive_int, redis_url
 from idem.config import IdemConfig
+from idem.errors import StoreUnavailable, UnsafeRedisConfig
 from idem.redis_client import redacted
 from idem.retry.engine import RetryEngine
 from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
+
+log = logging.getLogger(__name__)
 
 _CONFIG_OPTIONS = {
     "group": "group",
@@ -69,6 +73,15 @@ def _config(args: argparse.Namespace) -> IdemConfig:
 
 def _schedule(args: argparse.Namespace) -> int:
     engine = RetryEngine(_config(args))
+    try:
+        engine.check()  # an evicting Redis would drop scheduled retries silently
+    except StoreUnavailable as exc:  # the service outlives an outage, so it starts unchecked
+        log.warning(
+            "could not check Redis's maxmemory-policy (%s); make sure it is 'noeviction'", exc
+        )
+    except UnsafeRedisConfig:
+        engine.close()
+        raise
     service = engine.schedule_service(batch_size=args.batch_size, max_idle_ms=args.max_idle_ms)
     stop = threading.Event()
 
@@ -116,6 +129,13 @@ def _describe(failure: BaseException | None) -> str:
 def _rebuild(args: argparse.Namespace) -> int:
     engine = RetryEngine(_config(args))
     try:
+        if engine.journal.latest_version() is None:
+            # a mistyped path: the rebuild would clear Redis and rebuild it from nothing
+            print(
+                f"idem retry rebuild: no retry journal at {engine.journal.path} yet, "
+                "nothing to rebuild from; Redis left as it is"
+            )
+            return 0
         result = engine.rebuild()
         print(
             f"rebuilt {engine.group} from {engine.journal.path}: "
