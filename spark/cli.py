@@ -20,6 +20,7 @@ from pyspark.errors import IllegalArgumentException
 from idem.cli import (
     EXIT_CHECK_FAILED,
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     exit_code,
@@ -119,6 +120,8 @@ def _demo(args: argparse.Namespace) -> int:
         files=args.files,
         crash_after_batch=None if args.no_crash else 2,
     )
+    if result.report.interrupted:  # the check of a run cut short says nothing: not exit 4
+        return EXIT_INTERRUPTED
     return EXIT_OK if result.passed else EXIT_CHECK_FAILED
 
 
@@ -164,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
     print_report(report)
     if args.report_json:
         Path(args.report_json).write_text(report_json(report), encoding="utf-8")
+    if report.interrupted:
+        return EXIT_INTERRUPTED
     if args.check and report.sink is not None and not report.sink.exactly_once:
         return EXIT_CHECK_FAILED
     return EXIT_OK

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -65,6 +65,10 @@ _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
 
 class QueryFailed(IdemError):
     """The streaming query stopped with an error."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: stop the query like Ctrl-C, but as a clean stop (exit 0, not 130)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,9 @@ class RunReport:
     dead_letters: int
     pending_retries: int
     sink: SinkCheck | None
+    interrupted: bool = False
+    """Ctrl-C (SIGINT) stopped the run: ``idem`` exits 130 after the report, as every
+    subcommand does when interrupted (SIGTERM is a clean stop)."""
 
     def lines(self) -> list[str]:
         """The report as text lines."""
@@ -325,17 +332,20 @@ class Pipeline:
         takes the source files).
         """
         previous = _on_sigterm_interrupt()
+        interrupted = False
         try:
             if self.spec.available_now:
                 self._available_now(on_started)
             else:
                 query = self._query(self.spec.trigger_seconds)
                 _drive(query, lambda q: _await(q, self.spec.timeout_seconds), on_started)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            # The report is still printed; only Ctrl-C makes the exit code say "interrupted".
+            interrupted = not isinstance(exc, Terminated)
             log.info("interrupted; stopping the query")
         finally:
             _restore_sigterm(previous)
-        return self.report()
+        return replace(self.report(), interrupted=interrupted)
 
     def _available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> None:
         """The source files there now and the retries they cause, then return.
@@ -467,7 +477,7 @@ def _drive(
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def _on_sigterm_interrupt() -> Any:
@@ -507,6 +517,7 @@ def report_json(report: RunReport) -> str:
             "pending_retries": report.pending_retries,
             "possible_repeats": t.possible_repeats,
             "dlq_replayed": t.dlq_replayed,
+            "interrupted": report.interrupted,
             "sink": None
             if report.sink is None
             else {
