@@ -59,6 +59,9 @@ AVAILABLE_NOW_TRIGGER_S = 0.5
 STALL_S = 30.0
 """How long ``available_now`` waits on retries that are pending but neither due nor moving."""
 
+STOP_POLL_S = 0.25
+"""How often a run's waits look whether Ctrl-C or SIGTERM asked it to stop."""
+
 _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
 """Spark's status messages of a query that has nothing to do."""
 
@@ -67,8 +70,42 @@ class QueryFailed(IdemError):
     """The streaming query stopped with an error."""
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM: stop the query like Ctrl-C, but as a clean stop (exit 0, not 130)."""
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM during a run: noted here, and the run's waits stop.
+
+    The handlers raise nothing: an exception raised inside a py4j call (the wait for
+    the query is one) broke py4j's connection, and the query's stop then failed with
+    a traceback (exit 1). The waits poll :attr:`stop` instead. Installed in the main
+    thread only (Python delivers signals there); elsewhere a Ctrl-C raises as usual.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._noted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _noted(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: do not wait for the clean stop
+        if self.received is None or signum == signal.SIGINT:
+            self.received = signum  # Ctrl-C wins: the exit code says "interrupted"
+        self.stop.set()
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (not a SIGTERM, which is a clean stop) ended the run."""
+        return self.received == signal.SIGINT
 
 
 @dataclass(frozen=True)
@@ -276,6 +313,8 @@ class Pipeline:
         self.spark = spark
         self.config = config
         self.spec = spec
+        self._stop = threading.Event()
+        """Set by Ctrl-C or SIGTERM during :meth:`run` (:class:`StopSignals`)."""
         self.client = client or check_redis(config.redis_url)
         self.checkpoint = spec.checkpoint_dir(config)
         fn = sink_fn or (load_sink_fn(spec.sink_fn) if spec.sink_fn else None)
@@ -331,20 +370,22 @@ class Pipeline:
         ``on_started`` gets the query once it runs (with ``available_now``, the one that
         takes the source files).
         """
-        previous = _on_sigterm_interrupt()
         interrupted = False
-        try:
-            if self.spec.available_now:
-                self._available_now(on_started)
-            else:
-                query = self._query(self.spec.trigger_seconds)
-                _drive(query, lambda q: _await(q, self.spec.timeout_seconds), on_started)
-        except KeyboardInterrupt as exc:
-            # The report is still printed; only Ctrl-C makes the exit code say "interrupted".
-            interrupted = not isinstance(exc, Terminated)
-            log.info("interrupted; stopping the query")
-        finally:
-            _restore_sigterm(previous)
+        with StopSignals() as signals:
+            self._stop = signals.stop
+            try:
+                if self.spec.available_now:
+                    self._available_now(on_started)
+                else:
+                    query = self._query(self.spec.trigger_seconds)
+                    timeout = self.spec.timeout_seconds
+                    _drive(query, lambda q: _await(q, timeout, signals.stop), on_started)
+            except KeyboardInterrupt:  # a Ctrl-C outside the main thread
+                interrupted = True
+            interrupted = interrupted or signals.interrupted
+        if signals.received is not None or interrupted:
+            log.info("interrupted; the query was stopped")
+        # The report is still printed; only Ctrl-C makes the exit code say "interrupted".
         return replace(self.report(), interrupted=interrupted)
 
     def _available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> None:
@@ -359,8 +400,8 @@ class Pipeline:
         """
         timeout = self.spec.timeout_seconds
         deadline = None if timeout is None else time.monotonic() + timeout
-        _drive(self._query(None), lambda q: _await(q, _left(deadline)), on_started)
-        if self.engine.pending() == 0 or _left(deadline) == 0:
+        _drive(self._query(None), lambda q: _await(q, _left(deadline), self._stop), on_started)
+        if self.engine.pending() == 0 or _left(deadline) == 0 or self._stop.is_set():
             return
         _drive(
             self._query(AVAILABLE_NOW_TRIGGER_S, new_files=False),
@@ -380,7 +421,8 @@ class Pipeline:
         last_batch: object = None
         last_change = time.monotonic()
         while query.isActive:
-            time.sleep(AVAILABLE_NOW_TRIGGER_S / 2)
+            if self._stop.wait(AVAILABLE_NOW_TRIGGER_S / 2):
+                return  # Ctrl-C or SIGTERM: the caller stops the query
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 log.info(
@@ -446,14 +488,24 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _await(query: StreamingQuery, timeout_seconds: float | None = None) -> None:
-    """Wait for the query; its failure becomes :class:`QueryFailed` naming the root cause."""
+def _await(
+    query: StreamingQuery,
+    timeout_seconds: float | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Wait for the query (at most ``timeout_seconds``; until ``stop`` is set, looked at
+    every :data:`STOP_POLL_S`); its failure becomes :class:`QueryFailed` naming the root
+    cause."""
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     try:
-        if timeout_seconds is None:
-            query.awaitTermination()
-        elif timeout_seconds > 0:  # 0: the time is up already (Spark refuses to wait 0 s)
+        while stop is None or not stop.is_set():
+            left = _left(deadline)
+            if left is not None and left <= 0:
+                break  # the time is up (Spark refuses to wait 0 s)
+            wait = STOP_POLL_S if left is None else min(STOP_POLL_S, left)
             # Fractions of a second too: PySpark takes a float (its annotation says int).
-            query.awaitTermination(timeout_seconds)  # type: ignore[arg-type]
+            if query.awaitTermination(wait):  # type: ignore[arg-type]
+                break
     except StreamingQueryException as exc:
         log.debug("the streaming query failed", exc_info=True)
         raise QueryFailed(f"the streaming query failed: {root_cause(str(exc))}") from None
@@ -474,22 +526,6 @@ def _drive(
         if query.isActive:
             query.stop()
     _raise_if_failed(query)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
-
-
-def _on_sigterm_interrupt() -> Any:
-    """SIGTERM stops the query like Ctrl-C (main thread only); returns the old handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _restore_sigterm(previous: Any) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_if_failed(query: StreamingQuery) -> None:

@@ -134,9 +134,11 @@ def test_the_delta_sink_takes_no_leases_and_another_query_is_not_held_up_by_a_cr
     assert replay.applied == 1
     assert replay.duplicates == {"completed": 2}
     assert sink_key_counts(tmp_path / "orders") == {"A": 1, "B": 1, "C": 1, "D": 1}
-    # A function sink still holds its keys while it runs.
+    # A function sink still holds its keys while it runs (sharing the group, it shares the
+    # ledger: a group's index covers one).
     recorder = Recorder()
-    held = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    shared_ledger = config.with_changes(ledger_path=table)
+    held = exactly_once(key="order_id", config=shared_ledger, client=real_redis)(recorder)
     held.query_id = "q3"
     held.crash_plan = CrashPlan(CrashPoint.AFTER_SINK, 0)
     with pytest.raises(SimulatedCrash):
@@ -170,9 +172,11 @@ def test_idem_run_with_leases_holds_a_crashed_batchs_keys_against_a_function_sin
     with pytest.raises(QueryFailed, match="simulated driver crash at after_claim"):
         pipeline.run()
     pipeline.close()
-    # The crashed run's leases still hold its keys: a function sink of the group waits.
+    # The crashed run's leases still hold its keys: a function sink of the group (keeping
+    # its done-records in the same ledger, as a group's index covers one) waits.
     recorder = Recorder()
-    other = exactly_once(key="order_id", config=config, client=real_redis)(recorder)
+    shared_ledger = config.with_changes(ledger_path=str(tmp_path / "orders"))
+    other = exactly_once(key="order_id", config=shared_ledger, client=real_redis)(recorder)
     other.query_id = "fn"
     assert other.process(_df(spark, "ORDERID_1", "ORDERID_3"), 0).busy == 1
     assert [r["order_id"] for r in recorder.rows] == ["ORDERID_3"]
@@ -333,7 +337,9 @@ def test_close_lands_the_last_batchs_redis_update_so_nobody_reloads_it(
     sink.query_id = "q1"
     sink.process(_df(spark, "A", "B", "C"), 0)  # its Redis update runs in the background
     sink.close()
-    other = Dedup(config, client=real_redis, catch_up_grace_ms=0)  # another query, no waiting
+    # another query of the group (its ledger is the sink table), not waiting for writers
+    ledger = config.with_changes(ledger_path=str(tmp_path / "orders"))
+    other = Dedup(ledger, client=real_redis, catch_up_grace_ms=0)
     seen = other.begin(["A", "B", "C"], owner="q2:0")
     assert len(seen.duplicates) == 3
     assert other.stats.caught_up_keys == 0  # Redis knew them: nothing reloaded from the ledger
