@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
+from retry_helpers import RecordingListener
 from waiting import FAST, eventually
 
 from idem.config import IdemConfig
@@ -31,29 +30,12 @@ from idem.retry.consumer import (
     consumer_offsets,
     new_message,
 )
-from idem.retry.message import MessageExt
-from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
 
 
-class Sink:
-    """Records every message it was handed (the sink's durable state, in memory)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.keys: list[str] = []
-
-    def __call__(
-        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
-    ) -> ConsumeConcurrentlyStatus:
-        with self.lock:
-            self.keys += [m.keys or "" for m in messages]
-        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
-
-
 def _consumer(
-    config: IdemConfig, server: RedisServer, sink: Sink, **hook: object
+    config: IdemConfig, server: RedisServer, sink: RecordingListener, **hook: object
 ) -> tuple[PushConsumer, DedupMiddleware]:
     consumer = PushConsumer(config, settings=FAST, client=server.client())
     consumer.subscribe("orders")
@@ -76,7 +58,7 @@ def test_a_busy_key_comes_back_without_counting_and_is_consumed_once_free(
     TopicStore(real_redis).create_topic("orders", 1)
     other = Dedup(config, client=redis_server.client())
     held = other.begin(["ORDER-1"], owner="another-consumer")  # a live claim elsewhere
-    sink = Sink()
+    sink = RecordingListener()
     consumer, hook = _consumer(config, redis_server, sink)
     consumer.start()
     try:
@@ -102,7 +84,7 @@ def test_the_offset_waits_for_the_group_commit(
         group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url, data_dir=str(tmp_path)
     )
     TopicStore(real_redis).create_topic("orders", 1)
-    sink = Sink()
+    sink = RecordingListener()
     consumer, hook = _consumer(config, redis_server, sink, commit_interval_ms=1500)
     mq = MessageQueue("orders", 0)
     consumer.start()
@@ -139,7 +121,7 @@ def test_two_copies_with_one_msg_id_in_one_request_both_leave_the_queue(
     mq = MessageQueue("orders", 0)
     twice = new_message("orders", b"{}", keys="ORDER-0")
     topics.put(mq, [twice, twice, new_message("orders", b"{}", keys="ORDER-1")])
-    sink = Sink()
+    sink = RecordingListener()
     consumer = PushConsumer(
         config, settings=replace(FAST, consume_message_batch_max_size=16),
         client=redis_server.client(),

@@ -10,13 +10,12 @@ shutdown.
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import redis
+from retry_helpers import RecordingListener
 from waiting import FAST, eventually
 
 from idem.config import IdemConfig
@@ -31,26 +30,8 @@ from idem.retry.consumer import (
     consumer_offsets,
     new_message,
 )
-from idem.retry.message import MessageExt
-from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
-
-
-class Sink:
-    """Records every message it was handed."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.keys: list[str] = []
-
-    def __call__(
-        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
-    ) -> ConsumeConcurrentlyStatus:
-        del context
-        with self.lock:
-            self.keys += [m.keys or "" for m in messages]
-        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 
 
 def test_shutdown_commits_the_consumed_keys_before_persisting_their_offsets(
@@ -60,7 +41,7 @@ def test_shutdown_commits_the_consumed_keys_before_persisting_their_offsets(
         group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url, data_dir=str(tmp_path)
     )
     TopicStore(real_redis).create_topic("orders", 1)
-    sink = Sink()
+    sink = RecordingListener()
     assert FAST.await_termination_ms == 0  # RocketMQ's default
     consumer = PushConsumer(config, settings=FAST, client=redis_server.client())
     consumer.subscribe("orders")

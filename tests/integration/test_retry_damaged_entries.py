@@ -10,13 +10,13 @@ DLQ row with its reason (and its raw bytes as the body), and leave the topic.
 from __future__ import annotations
 
 import json
-import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from retry_helpers import RecordingListener
 from waiting import FAST, eventually
 
 from idem.clock import ManualClock
@@ -26,27 +26,11 @@ from idem.retry.consumer import PushConsumer, TopicStore
 from idem.retry.dlq import DeadLetter, DeadLetterTable
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
-from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
 
 NOT_JSON = b"\xff{not json"
 NO_TOPIC = json.dumps({"v": 1, "msg_id": "FOREIGN", "body": ""}).encode()
-
-
-class Recorder:
-    """A listener that records the keys it consumed and succeeds."""
-
-    def __init__(self) -> None:
-        self.keys: list[str] = []
-        self.lock = threading.Lock()
-
-    def __call__(
-        self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
-    ) -> ConsumeConcurrentlyStatus:
-        with self.lock:
-            self.keys += [m.keys or "" for m in messages]
-        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 
 
 @pytest.fixture
@@ -97,7 +81,7 @@ def test_damaged_retry_entries_are_dead_lettered_and_the_consumer_goes_on(
     no_topic = real_redis.xadd(stream, {"m": NO_TOPIC, "o": b"901"})
     _retry(engine, clock, "K2")
 
-    got = Recorder()
+    got = RecordingListener()
     consumer = PushConsumer(config, settings=FAST)
     consumer.subscribe("orders")
     consumer.register_message_listener_concurrently(got)
