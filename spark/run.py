@@ -380,7 +380,7 @@ class Pipeline:
                     query = self._query(self.spec.trigger_seconds)
                     timeout = self.spec.timeout_seconds
                     _drive(query, lambda q: _await(q, timeout, signals.stop), on_started)
-            except KeyboardInterrupt:  # a Ctrl-C outside the main thread
+            except KeyboardInterrupt:  # a second Ctrl-C, or one outside the main thread
                 interrupted = True
             interrupted = interrupted or signals.interrupted
         if signals.received is not None or interrupted:
