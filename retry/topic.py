@@ -39,8 +39,10 @@ _NOT_A_MESSAGE: tuple[type[Exception], ...] = (
     ValueError,
     UnicodeDecodeError,
     SerializationError,
+    OverflowError,  # a number past any integer
+    RecursionError,  # JSON nested past the interpreter's limit
 )
-"""What decoding an entry that is not an idem message raises."""
+"""What decoding an entry that is not an idem message raises (as on a topic queue)."""
 
 _SCHEDULE_ONLY = (
     MessageConst.PROPERTY_REAL_TOPIC,

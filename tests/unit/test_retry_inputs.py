@@ -146,3 +146,20 @@ def test_retry_topic_entries_that_are_not_messages_are_dead_lettered_once(
 
 def test_the_undecodable_marker_is_the_consumers() -> None:
     assert MessageConst.PROPERTY_UNDECODABLE == UNDECODABLE
+
+
+def test_a_retry_topic_entry_nested_past_the_recursion_limit_is_dead_lettered(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """As on an ordinary topic queue: JSON nested past the interpreter's limit raised
+    RecursionError out of the read, and every poll of the retry topic failed on it."""
+    engine = _engine(tmp_path, clock)
+    stream = engine.store.keys.stream
+    deep = ("[" * 100_000 + "]" * 100_000).encode()
+    entry = engine.client.xadd(stream, {"m": deep, "o": "0"}).decode()
+    engine.client.xadd(stream, {"m": MessageExt(topic="T", msg_id="G", keys="K").to_wire()})
+    [message] = engine.poll_retry("c", 10)
+    assert message.msg_id == "G"
+    [letter] = DeadLetterTable(engine.config.resolved_dlq_path, engine.group).list()
+    assert letter.msg_id == f"UNDECODABLE-%RETRY%CID_inputs-{entry}"
+    assert "RecursionError" in letter.reason
