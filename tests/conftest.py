@@ -17,6 +17,7 @@ from redis_backends import RealRedis, flushed_client
 from idem.clock import ManualClock
 from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer, redis_server_binary
+from idem.retry.consumer import PushConsumer
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -108,3 +109,12 @@ def any_redis(request: pytest.FixtureRequest) -> redis.Redis:
 def clock() -> ManualClock:
     """A clock that moves only when the test says so."""
     return ManualClock()
+
+
+@pytest.fixture
+def consumers() -> Iterator[list[PushConsumer]]:
+    """Push consumers a test starts: each is shut down when the test ends."""
+    started: list[PushConsumer] = []
+    yield started
+    for consumer in started:
+        consumer.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,6 @@ def config(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path) -
         data_dir=str(tmp_path),
         delay_levels="1s 1s 1s",
     )
-
-
-@pytest.fixture
-def consumers() -> Iterator[list[PushConsumer]]:
-    started: list[PushConsumer] = []
-    yield started
-    for consumer in started:
-        consumer.shutdown()
 
 
 def start(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,14 +41,6 @@ def config(real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path) -
         data_dir=str(tmp_path),
         delay_levels="1s 1s 1s",
     )
-
-
-@pytest.fixture
-def consumers() -> Iterator[list[PushConsumer]]:
-    started: list[PushConsumer] = []
-    yield started
-    for consumer in started:
-        consumer.shutdown()
 
 
 def _retry(engine: RetryEngine, clock: ManualClock, key: str) -> None:
