@@ -48,6 +48,17 @@ class DedupMode(StrEnum):
     """Every claimed key is also checked against the ledger's whole dedup window."""
 
 
+class LedgerEngine(StrEnum):
+    """Which Delta engine writes and reads the ledger (one table has one writer engine)."""
+
+    AUTO = "auto"
+    """delta-spark when the active Spark session was checked to run it, else delta-rs."""
+    DELTA_RS = "delta-rs"
+    """delta-rs in the Python process: no JVM jars; the embedded and single-machine engine."""
+    DELTA_SPARK = "delta-spark"
+    """delta-spark through the active Spark session: the cluster engine (needs Delta's jars)."""
+
+
 class MismatchPolicy(StrEnum):
     """What to do when a completed key arrives again with a different payload."""
 
@@ -117,6 +128,8 @@ class IdemConfig:
     lease_ms: int = 5 * MINUTE_MS
     dedup_window_ms: int = 7 * DAY_MS
     mode: DedupMode = DedupMode.INDEX
+    engine: LedgerEngine = LedgerEngine.AUTO
+    """The ledger's Delta engine; ``auto`` picks delta-spark only on a session checked to run it."""
     delay_levels: DelayLevels = field(default_factory=DelayLevels.parse)
     max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES
     consume_timeout_ms: int = 15 * MINUTE_MS
@@ -154,7 +167,11 @@ class IdemConfig:
             raise ConfigError(
                 f"delay_levels: expected levels like '1s 5s 10s', got {self.delay_levels!r}"
             )
-        for name, enum in (("mode", DedupMode), ("mismatch_policy", MismatchPolicy)):
+        for name, enum in (
+            ("mode", DedupMode),
+            ("engine", LedgerEngine),
+            ("mismatch_policy", MismatchPolicy),
+        ):
             raw = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(raw))

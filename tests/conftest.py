@@ -12,17 +12,18 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from jvm_jars import IN_CI, delta_spark_conf, require_jars
+from pyspark.sql import SparkSession
 from redis_backends import RealRedis, flushed_client
 
 from idem.clock import ManualClock
 from idem.redis_cluster import LocalCluster
 from idem.redis_server import RedisServer, redis_server_binary
 from idem.retry.consumer import PushConsumer
+from idem.spark.session import local_session
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
 def _require_redis_server() -> None:
@@ -118,3 +119,18 @@ def consumers() -> Iterator[list[PushConsumer]]:
     yield started
     for consumer in started:
         consumer.shutdown()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """One local Spark session (local[2], UI off, 2 shuffle partitions, UTC) for the whole run.
+
+    It takes ~7 s to start, so every Spark test shares it. It carries Delta's Spark
+    jars and Spark's Kafka connector from the Maven cache (``tests/jvm_jars.py``), with
+    Delta's SQL extension on, so the delta-spark ledger engine and a Kafka source run
+    in the same process as everything else.
+    """
+    jars = require_jars("spark", "delta-spark_")
+    session = local_session("idem-tests", fast_start=True, conf=delta_spark_conf(jars))
+    yield session
+    session.stop()

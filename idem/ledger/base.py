@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import pyarrow as pa
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.config import IdemConfig
+from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import LedgerIdentity
 
@@ -29,6 +29,12 @@ DELTA_SPARK_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 """What ``spark.sql.extensions`` must name for the delta-spark engine."""
 
 EngineName = Literal["auto", "deltars", "spark"]
+
+_ENGINE_OF_CONFIG: dict[LedgerEngine, EngineName] = {
+    LedgerEngine.AUTO: "auto",
+    LedgerEngine.DELTA_RS: "deltars",
+    LedgerEngine.DELTA_SPARK: "spark",
+}
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ def spark_delta_session() -> SparkSession | None:
 
 def open_ledger(
     config: IdemConfig,
-    engine: EngineName = "auto",
+    engine: EngineName | None = None,
     *,
     clock: Clock = SYSTEM_CLOCK,
     storage_options: dict[str, str] | None = None,
@@ -189,9 +195,12 @@ def open_ledger(
 ) -> Ledger:
     """The ledger of ``config.group`` at ``config.resolved_ledger_path``.
 
-    ``auto`` picks delta-spark when the active Spark session has Delta's
-    extension, otherwise delta-rs (``deltars``), which needs no JVM jars.
+    ``engine`` overrides ``config.engine``. ``auto`` picks delta-spark when the
+    active Spark session has Delta's extension, otherwise delta-rs (``deltars``),
+    which needs no JVM jars.
     """
+    if engine is None:
+        engine = _ENGINE_OF_CONFIG[config.engine]
     if engine not in ("auto", "deltars", "spark"):
         raise ConfigError(f"engine: {engine!r} is not one of auto, deltars, spark")
     # Strict mode matches against the whole window; index mode passes the lease horizon.

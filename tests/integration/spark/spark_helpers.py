@@ -52,8 +52,10 @@ def dead_letters(config: IdemConfig) -> list[DeadLetter]:
 
 
 def config_for(tmp_path: Path, url: str, group: str, **extra: Any) -> IdemConfig:
-    """A test config: short delay levels, few retries, tables under ``tmp_path``."""
+    """A test config: short delay levels, few retries, tables under ``tmp_path``, the
+    delta-rs engine unless ``engine=`` says otherwise."""
     settings: dict[str, Any] = {
+        "engine": "delta-rs",
         "delay_levels": "1s 1s 1s",
         "max_reconsume_times": 2,
         "buckets": 4,
