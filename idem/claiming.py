@@ -1,4 +1,4 @@
-"""A batch's claim between sending it and reading its verdicts (DESIGN §1 steps 1-3).
+"""A batch's claim between sending it and reading its verdicts (docs/pages/protocol.md, steps 1-3).
 
 :meth:`idem.dedup.Dedup.start` validates the keys and sends their claims;
 :meth:`PendingClaim.finish` reads the verdicts and classifies every row. In
@@ -144,7 +144,7 @@ class PendingClaim:
 
     def _verdicts(self) -> ClaimResult:
         """The sent claims' verdicts; keys of buckets whose index fell behind meanwhile are
-        claimed again once caught up (DESIGN §1 step 3)."""
+        claimed again once caught up: a stale index never answers "new"."""
         verdicts = ClaimResult(
             claimed=[], retaken=[], duplicates={}, busy=[], stale_buckets=frozenset()
         )

@@ -1,4 +1,4 @@
-"""The dedup protocol (DESIGN §1) as one object: claim, complete, release.
+"""The dedup protocol (docs/pages/protocol.md) as one object: claim, complete, release.
 
 Redis is a hint, the Delta ledger decides. Before a claim may answer "new",
 every bucket it touches must have indexed every ledger version (its

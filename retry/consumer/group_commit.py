@@ -11,10 +11,10 @@ with ``txnAppId = idem:<group>:<owner>`` and ``txnVersion`` counting up, so a
 retried commit adds nothing the first attempt already wrote; then Redis learns
 the keys are COMPLETED. Only then are the deferrals resolved.
 
-Crash windows (DESIGN §1): a crash before the commit is durable leaves the keys
+Crash windows (docs/pages/guarantees.md): a crash before the commit is durable leaves the keys
 IN_PROGRESS under a dead owner and their offsets uncommitted, so they are
 redelivered, found busy until the lease runs out, then claimed and consumed
-again — the "between 4 and 5" row (at most one repeat per crash, with the same
+again — the "inside any other sink" row (at most one repeat per crash, with the same
 key), widened from one call to at most ``interval_ms`` + one commit, and capped by
 ``max_pending_keys``. A crash after the commit only redelivers keys the ledger
 already holds: duplicates, counted.

@@ -360,7 +360,7 @@ def collecting_marks() -> Iterator[DoneMarks]:
 
 
 class DefaultMessageListenerConcurrently:
-    """The seeds' ``DefaultMessageListenerConcurrently``: handle messages one by one.
+    """RocketMQ's ``DefaultMessageListenerConcurrently``: handle messages one by one.
 
     The first exception stops the batch and returns ``RECONSUME_LATER`` — so the
     whole batch is sent back, including the messages already handled (redelivery

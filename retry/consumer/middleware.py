@@ -8,7 +8,7 @@
     @exactly_once(dedup, key="body.order_id")
     def listener(msgs, context): ...
 
-Around every consume call the middleware (DESIGN §1):
+Around every consume call the middleware (docs/pages/protocol.md):
 
 1. extracts each message's key (``keys``, ``tags``, ``property.<NAME>``,
    ``body.<json path>`` or a callable); a bad key is dead-lettered with a reason
