@@ -63,6 +63,21 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     return markdown
 
 
+_ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):<code>(~?)([^<]+)</code>")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """Called by MkDocs with each page's HTML: Sphinx roles in docstrings become plain code.
+
+    The docstrings cross-reference with ``:class:`~idem.x.Name``` for readers of the
+    source and of ``help()``; on the site the role's name would show as text.
+    """
+    return _ROLE.sub(
+        lambda m: f"<code>{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}</code>",
+        html,
+    )
+
+
 # -- configuration ---------------------------------------------------------------------
 
 
@@ -131,7 +146,12 @@ def _type_name(field: dataclasses.Field[Any]) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """Text for a table cell: ``|`` escaped, and ``<group>`` shown, not taken for HTML."""
+    parts = re.split(r"(`+[^`]*`+)", text)  # leave code spans as they are
+    return "".join(
+        part if part.startswith("`") else part.replace("<", "&lt;").replace(">", "&gt;")
+        for part in parts
+    ).replace("|", "\\|")
 
 
 def config_table() -> str:

@@ -15,6 +15,7 @@ MAX_README_LINES = 200
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _SOURCE_SUFFIXES = {".py", ".lua", ".sh", ".md", ".yaml", ".yml", ".conf", ".toml"}
 _SOURCE_DIRS = ("idem", "retry", "spark", "tests", "bench", "deploy", "docs", ".ci")
+_CITED = "design".upper()  # spelt so that grepping the repository for it finds citations only
 
 
 def _relative_links(text: str) -> list[str]:
@@ -36,7 +37,7 @@ def test_readme_speaks_of_idem_not_of_how_it_is_developed() -> None:
     text = README.read_text(encoding="utf-8")
     found = [
         word
-        for word in ("DESIGN", "design.md", "session", "earlier run", "the seeds")
+        for word in (_CITED, "design.md", "session", "earlier run", "the seeds")
         if (word in text if word.isupper() else word in text.lower())
     ]
     assert found == []
@@ -69,6 +70,6 @@ def test_no_source_or_doc_cites_a_document_the_repository_does_not_hold() -> Non
         for path in paths
         if path.suffix in _SOURCE_SUFFIXES
         and path.resolve() != this
-        and "DESIGN" in path.read_text(encoding="utf-8", errors="replace")
+        and _CITED in path.read_text(encoding="utf-8", errors="replace")
     ]
     assert citing == []
