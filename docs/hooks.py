@@ -22,11 +22,17 @@ import argparse
 import ast
 import dataclasses
 import enum
+import itertools
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from mkdocs.structure.files import File
+
+from idem import config as idem_config
+from idem.cli import build_parser
 
 log = logging.getLogger("mkdocs.hooks.idem")
 
@@ -41,8 +47,6 @@ RECIPES_PAGE = "deploy-recipes.md"
 
 def on_files(files: Any, config: Any) -> Any:
     """Called by MkDocs once the pages are collected: adds ``deploy/README.md`` as a page."""
-    from mkdocs.structure.files import File
-
     guide = (REPO / "deploy" / "README.md").read_text(encoding="utf-8")
     intro = (
         "!!! note\n"
@@ -88,7 +92,7 @@ def _field_docstrings(source: str, class_name: str) -> dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             body = node.body
-            for here, after in zip(body, body[1:], strict=False):
+            for here, after in itertools.pairwise(body):
                 if (
                     isinstance(here, ast.AnnAssign)
                     and isinstance(here.target, ast.Name)
@@ -156,8 +160,7 @@ def _cell(text: str) -> str:
 
 def config_table() -> str:
     """The settings of ``IdemConfig`` as a Markdown table."""
-    from idem import config as module
-
+    module = idem_config
     source = Path(module.__file__).read_text(encoding="utf-8")
     docstrings = _field_docstrings(source, "IdemConfig")
     env_file = REPO / "deploy" / "env.example"
@@ -192,8 +195,6 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Ar
 def cli_reference() -> str:
     """Every ``idem`` command's ``--help``, one section each, in the order of ``idem --help``."""
     os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps to the terminal: make it stable
-    from idem.cli import build_parser
-
     out: list[str] = []
 
     def walk(parser: argparse.ArgumentParser, path: list[str], depth: int) -> None:
