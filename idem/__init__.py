@@ -11,6 +11,7 @@ from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
 from idem.errors import (
     ConfigError,
     IdemError,
+    IndexUnsettled,
     InvalidKey,
     KeyBusy,
     LedgerConflict,
@@ -37,6 +38,7 @@ __all__ = [
     "DuplicateCause",
     "IdemConfig",
     "IdemError",
+    "IndexUnsettled",
     "IndexStats",
     "Invalid",
     "InvalidKey",

@@ -311,7 +311,12 @@ class DedupMiddleware:
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
 
     def open(self) -> None:
-        """A consumer starts with this layer (its shutdown or kill calls :meth:`close`)."""
+        """A consumer starts with this layer (its shutdown or kill calls :meth:`close`).
+
+        Refuses (:class:`~idem.errors.UnsafeRedisConfig`) a Redis that may evict keys,
+        so the consumer does not start on it.
+        """
+        self.dedup.check()
         with self._lock:
             self._users += 1
 
