@@ -27,6 +27,7 @@ from idem.config import IdemConfig, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch, SerializationError
 from idem.keys import fingerprint
+from idem.lease_keeper import LeaseKeeper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -214,9 +215,8 @@ class _IdempotentCall(Generic[R]):
         payload = self.s.fingerprint_of(*args, **kwargs) if self.s.fingerprint_of else arguments
         printed = fingerprint(_to_json(payload, what="payload"))
         dd = self.dedup()
-        claim = dd.begin(
-            [raw], owner=f"call:{uuid.uuid4().hex}", fingerprints=[printed], field=_field(key)
-        )
+        owner = f"call:{uuid.uuid4().hex}"
+        claim = dd.begin([raw], owner=owner, fingerprints=[printed], field=_field(key))
         if claim.invalid:
             bad = claim.invalid[0]
             raise InvalidKey(bad.message, field=bad.field, reason=bad.reason)
@@ -229,7 +229,8 @@ class _IdempotentCall(Generic[R]):
         if self.s.pass_key_as is not None:
             kwargs = {**kwargs, self.s.pass_key_as: the_key}
         try:
-            value = self.func(*args, **kwargs)
+            with LeaseKeeper(dd, [the_key], owner):  # a call slower than the lease keeps it
+                value = self.func(*args, **kwargs)
             if inspect.isawaitable(value):
                 _close(value)
                 raise ConfigError(

@@ -41,7 +41,7 @@ import pyarrow as pa
 from idem.dedup import Dedup
 from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
-from idem.retry.consumer.listener import Deferred, Failure
+from idem.retry.consumer.listener import Deferred, store_outage
 from idem.retry.consumer.rebalance import load_script
 from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.message import MessageExt
@@ -224,7 +224,7 @@ class GroupCommitter:
             except BaseException as exc:  # never leave a caller waiting forever
                 log.exception("group commit crashed")
                 for item in batch:
-                    item.deferred.resolve(Failure(f"dedup commit failed: {exc}", transient=True))
+                    item.deferred.resolve(store_outage(f"dedup commit failed: {exc}"))
             finally:
                 with self._cond:
                     self._pending_keys -= sum(len(item.keys) for item in batch)
@@ -290,7 +290,7 @@ class GroupCommitter:
             "completing %d key(s) failed; they will be consumed again", len(keys), exc_info=error
         )
         for item in batch:
-            item.deferred.resolve(Failure(f"dedup commit failed: {error}", transient=True))
+            item.deferred.resolve(store_outage(f"dedup commit failed: {error}"))
 
     # -- the group's commit lock -----------------------------------------------------------
 
