@@ -10,7 +10,7 @@ beyond the one idem expects (``CONFIG GET``, whose refusal only logs a warning).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,21 @@ from idem.acl import acl_user_line, producer_user_line, setuser_args
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import IdemError
+from idem.hotstore import RedisHotStore
 from idem.redis_server import RedisServer
-from idem.retry import MessageExt, RetryEngine, ScheduleStore
+from idem.retry import MessageExt, RetryEngine, RetryKeys, ScheduleStore
 from idem.retry.consumer import DedupMiddleware, Producer, PushConsumer, TopicStore, new_message
-from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
+from idem.retry.consumer.offset_store import offsets_key, reset_epoch_key, reset_marks_key
+from idem.retry.consumer.orderly import lock_key
+from idem.retry.consumer.rebalance import Membership
+from idem.retry.consumer.topics import MessageQueue
+from idem.retry.status import (
+    ConsumeConcurrentlyContext,
+    ConsumeConcurrentlyStatus,
+    ConsumeOrderlyContext,
+    ConsumeOrderlyStatus,
+)
+from idem.spark.stats import StatsStore
 
 pytestmark = pytest.mark.integration
 
@@ -155,7 +166,25 @@ def _run_idem(group: Group, data_dir: Path, producer: Producer) -> dict[str, Any
         assert engine.dlq.count() == 0
     finally:
         consumer.shutdown()
-    return {"consumed": sorted(listener.done)}
+
+    ordered: list[str] = []
+
+    def in_order(
+        messages: Sequence[MessageExt], context: ConsumeOrderlyContext
+    ) -> ConsumeOrderlyStatus:
+        ordered.extend(m.keys or "" for m in messages)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly = PushConsumer(group.config(data_dir), settings=FAST)  # takes queue locks
+    orderly.subscribe(group.topic)
+    orderly.register_message_listener_orderly(in_order)
+    orderly.start()
+    try:
+        producer.send(new_message(group.topic, b"{}", keys="ORDERID_9"))
+        eventually(lambda: ordered == ["ORDERID_9"], timeout=30)
+    finally:
+        orderly.shutdown()
+    return {"consumed": sorted(listener.done), "in order": ordered}
 
 
 def test_each_group_works_under_its_own_acl_user(server: RedisServer, tmp_path: Path) -> None:
@@ -167,7 +196,8 @@ def test_each_group_works_under_its_own_acl_user(server: RedisServer, tmp_path: 
     admin.acl_log_reset()
     for group in (a, b):
         assert _run_idem(group, tmp_path / group.name, producer) == {
-            "consumed": ["ORDERID_7", "ORDERID_8"]
+            "consumed": ["ORDERID_7", "ORDERID_8"],
+            "in order": ["ORDERID_9"],
         }
     producer.shutdown()
     assert _refusals(admin, a.user) == EXPECTED_REFUSALS
@@ -261,3 +291,68 @@ def _refused(admin: redis.Redis, user: str, call: Callable[[], object]) -> bool:
     except (redis.RedisError, IdemError):
         return any(e["username"] == user for e in admin.acl_log(count=1000))
     return False
+
+
+def _names_of(group: str, topic: str, admin: redis.Redis, tmp_path: Path) -> list[str]:
+    """Every Redis key name idem's code builds for ``group`` (and ``topic``'s queues)."""
+    keys = RetryKeys(group)
+    mq = MessageQueue(topic, 3)
+    config = IdemConfig(group=group, redis_url="redis://127.0.0.1:1/0", data_dir=str(tmp_path))
+    hot = RedisHotStore.from_config(config, client=admin)
+    members = Membership(admin, group, "c1", expire_ms=1000)
+    stats = StatsStore(admin, group, marker_ttl_ms=1000)
+    return [
+        *keys.fixed,
+        keys.journal,
+        keys.compacted,
+        keys.queue("0"),
+        keys.queue("timer"),
+        offsets_key(group),
+        reset_marks_key(group),
+        reset_epoch_key(group),
+        lock_key(group, mq),
+        f"rmq:lock:{{{group}}}:ledger-commit",  # the group commit's lock
+        members.members_key,
+        members.epoch_key,
+        hot.claim_hash("ORDERID_1"),
+        *hot._wm,
+        stats.totals_key,
+        stats.marker_key("q", 1),
+        stats.attempts_key("q", 1),
+        TopicStore.meta_key(topic),
+        TopicStore.queue_key(mq),
+    ]
+
+
+def _dryrun(admin: redis.Redis, user: str, *command: str) -> bool:
+    return bool(admin.execute_command("ACL", "DRYRUN", user, *command) == "OK")
+
+
+def test_patterns_separate_groups_whose_names_share_a_prefix(
+    server: RedisServer, tmp_path: Path
+) -> None:
+    admin = server.client(decode_responses=True)
+    groups = {"a": "t*", "a-b": "tx", "a.b": "t?", "ab": "t[x]"}  # topics: glob characters
+    for group, topic in groups.items():
+        line = acl_user_line(group, topics=[topic], password="pw")
+        admin.execute_command("ACL", "SETUSER", *setuser_args(line))
+    for group, topic in groups.items():
+        own = _names_of(group, topic, admin, tmp_path)
+        for name in own[:-2]:
+            assert _dryrun(admin, f"idem-{group}", "HSET", name, "f", "v"), name
+        for name in own[-2:]:  # its topic: read, not write
+            assert _dryrun(admin, f"idem-{group}", "XRANGE", name, "-", "+"), name
+            assert not _dryrun(admin, f"idem-{group}", "XADD", name, "*", "f", "v"), name
+        for channel in (RetryKeys(group).wake_channel, f"rmq:cg:{{{group}}}:notify"):
+            assert _dryrun(admin, f"idem-{group}", "PUBLISH", channel, "x"), channel
+        for other, other_topic in groups.items():
+            if other == group:
+                continue
+            reachable = [
+                name
+                for name in _names_of(other, other_topic, admin, tmp_path)
+                if _dryrun(admin, f"idem-{group}", "XRANGE", name, "-", "+")
+            ]
+            assert reachable == [], f"group {group}'s user reaches group {other}'s keys"
+            for channel in (RetryKeys(other).wake_channel, f"rmq:cg:{{{other}}}:notify"):
+                assert not _dryrun(admin, f"idem-{group}", "PUBLISH", channel, "x"), channel
