@@ -20,6 +20,7 @@ import redis
 from waiting import FAST, eventually
 
 from idem.acl import acl_user_line, producer_user_line, setuser_args
+from idem.cli import main as idem_main
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import IdemError
@@ -199,6 +200,16 @@ def test_each_group_works_under_its_own_acl_user(server: RedisServer, tmp_path: 
             "consumed": ["ORDERID_7", "ORDERID_8"],
             "in order": ["ORDERID_9"],
         }
+        common = ["--group", group.name, "--redis-url", group.url]
+        common += ["--data-dir", str(tmp_path / group.name)]
+        for command in (
+            ["retry", "stats"],
+            ["retry", "compact"],
+            ["retry", "rebuild"],
+            ["index", "status"],
+            ["index", "rebuild", "--all"],
+        ):
+            assert idem_main([*command, *common]) == 0, command
     producer.shutdown()
     assert _refusals(admin, a.user) == EXPECTED_REFUSALS
     assert _refusals(admin, b.user) == EXPECTED_REFUSALS
