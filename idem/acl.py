@@ -216,19 +216,23 @@ def acl_user_line(
     *,
     user: str | None = None,
     topics: Sequence[str] = (),
+    write_topics: Sequence[str] = (),
     password: str | None = None,
     password_sha256: str | None = None,
 ) -> str:
     """The ACL file line (``user <name> on ...``) of a user for ``group``.
 
     ``user`` defaults to ``idem-<group>``; ``topics`` are the topics the group's push
-    consumers subscribe to (read-only). Without ``password`` or ``password_sha256`` the
-    line carries the placeholder ``>CHANGE-ME-<user>-password``: replace it before use.
-    Feed the rules after the user name to ``ACL SETUSER`` to create the user at run time.
+    consumers subscribe to (read-only); ``write_topics`` those its own code also sends
+    to with a :class:`~idem.retry.consumer.Producer` on the same credentials (read and
+    write). Without ``password`` or ``password_sha256`` the line carries the placeholder
+    ``>CHANGE-ME-<user>-password``: replace it before use. Feed the rules after the
+    user name to ``ACL SETUSER`` to create the user at run time.
     """
     name = _user(user if user is not None else f"idem-{_group(group)}")
     keys = [f"~{p}" for p in group_key_patterns(group)]
-    keys += [f"%R~{p}" for t in topics for p in topic_key_patterns(t)]
+    keys += [f"~{p}" for t in write_topics for p in topic_key_patterns(t)]
+    keys += [f"%R~{p}" for t in topics if t not in write_topics for p in topic_key_patterns(t)]
     return _line(
         name,
         _password_rule(name, password, password_sha256),

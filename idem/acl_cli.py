@@ -29,7 +29,13 @@ def _user(args: argparse.Namespace) -> int:
     else:
         if args.group is None:
             raise ConfigError("--group: required (or --producer with --user and --topic)")
-        line = acl_user_line(args.group, user=args.user, topics=args.topic, password=password)
+        line = acl_user_line(
+            args.group,
+            user=args.user,
+            topics=args.topic,
+            write_topics=args.write_topic,
+            password=password,
+        )
     print(line)
     if password is None:
         print(
@@ -60,6 +66,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="append",
         default=[],
         help="a topic the group consumes (read-only), or a producer sends to; repeatable",
+    )
+    user.add_argument(
+        "--write-topic",
+        action="append",
+        default=[],
+        help="a topic the group's own code also sends to (read and write); repeatable",
     )
     user.add_argument(
         "--producer",

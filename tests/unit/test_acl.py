@@ -60,3 +60,10 @@ def test_cli_reads_the_password_from_the_named_variable(
     assert "CHANGE-ME" in err
     assert idem_main(["acl", "user", "--producer", "--topic", "orders"]) == 2
     assert "--user: a producer's user needs a name" in capsys.readouterr().err
+
+
+def test_a_topic_the_group_also_sends_to_is_writable_and_the_others_read_only() -> None:
+    rules = acl_user_line("orders", topics=["orders", "audit"], write_topics=["audit"]).split()
+    assert "~rmq:topic:{audit}:*" in rules
+    assert "%R~rmq:topic:{orders}:*" in rules
+    assert not any(r.endswith("rmq:topic:{audit}:*") and r.startswith("%R") for r in rules)
