@@ -26,7 +26,7 @@ import redis
 from idem.cli_args import in_flags
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 
-LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.retry.cli", "idem.spark.cli")
+LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.acl_cli", "idem.retry.cli", "idem.spark.cli")
 """Modules that may contribute subcommands; a missing one is simply absent."""
 
 

@@ -32,7 +32,7 @@ import redis
 from redis.commands.core import Script
 
 from idem.redis_cluster import RedisClient
-from idem.retry.message import SCHEDULE_TOPIC, retry_topic
+from idem.retry.message import SCHEDULE_TOPIC, TIMER_QUEUE, retry_topic
 
 APPLY_CHUNK = 1000
 """Ops per apply.lua call: large enough to amortise the round trip, small enough not to stall
@@ -336,10 +336,19 @@ class ScheduleStore:
         )
 
     def purge(self) -> int:
-        """Delete every key of the group (before a forced rebuild); returns keys deleted."""
-        queues = [_text(q) for q in self.client.zrange(self.keys.heads, 0, -1)]
-        names = [*self.keys.fixed, *(self.keys.queue(q) for q in queues)]
-        scanned = {
-            _text(k) for k in self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000)
-        }
-        return int(self.client.delete(*sorted(set(names) | scanned)))
+        """Delete every key of the group (before a forced rebuild); returns keys deleted.
+
+        The keys are found by name, never by ``SCAN`` (which a group's ACL user may not
+        run: it lists every group's keys): the fixed names, and every schedule queue
+        that ``heads`` lists (each queue holding messages) or ``progress`` has a count
+        for (each queue ever moved from), plus the timer queue.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrange(self.keys.heads, 0, -1)
+        pipe.hkeys(self.keys.progress)
+        heads, progress = pipe.execute()
+        queues = {_text(q) for q in heads} | {TIMER_QUEUE}
+        queues |= {_text(f).removesuffix(":moved") for f in progress if _text(f).endswith(":moved")}
+        names = {*self.keys.fixed, self.keys.journal, self.keys.compacted}
+        names |= {self.keys.queue(q) for q in queues}
+        return int(self.client.delete(*sorted(names)))
