@@ -1,4 +1,19 @@
-"""idem.spark: PySpark glue (exactly-once foreachBatch, retry stream, Delta sinks, DLQ tools)."""
+"""idem.spark: PySpark glue (exactly-once foreachBatch, retry stream, Delta sinks, DLQ tools).
+
+Needs PySpark 4.2: the ``spark`` extra, or the PySpark of the Spark runtime the job
+runs on (idem does not install its own there).
+"""
+
+import importlib.util
+
+from idem.extras import install_hint
+
+if importlib.util.find_spec("pyspark") is None:
+    raise ModuleNotFoundError(
+        f"idem.spark needs PySpark 4.2: {install_hint('spark')}, or run on a Spark "
+        "runtime that provides it",
+        name="pyspark",
+    )
 
 from idem.spark.decorator import ExactlyOnce, exactly_once
 from idem.spark.delta_sink import delta_sink

@@ -27,6 +27,8 @@ from deltalake import DeltaTable
 
 from idem.config import IdemConfig
 from idem.delay_levels import DelayLevels
+from idem.errors import ConfigError
+from idem.extras import install_hint
 from idem.ledger import read_table
 from idem.redis_server import RedisServer, free_port, redis_server_binary
 from idem.retry.dlq import DeadLetterStatus
@@ -67,7 +69,14 @@ def embedded_redis() -> Iterator[EmbeddedRedis]:
         finally:
             server.stop()
         return
-    from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
+    try:
+        import lupa  # noqa: F401, PLC0415 - fakeredis runs idem's Lua scripts with it
+        from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            "idem demo needs a Redis it can start: install redis-server (e.g. apt-get "
+            f"install redis-server) or the in-process one: {install_hint('demo')}"
+        ) from exc
 
     port = free_port()
     fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")
