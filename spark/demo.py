@@ -12,6 +12,7 @@ orders and bad rows in ``%DLQ%<group>``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import shutil
 import sys
@@ -69,14 +70,13 @@ def embedded_redis() -> Iterator[EmbeddedRedis]:
         finally:
             server.stop()
         return
-    try:
-        import lupa  # noqa: F401, PLC0415 - fakeredis runs idem's Lua scripts with it
-        from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
-    except ModuleNotFoundError as exc:
+    # fakeredis runs idem's Lua scripts with lupa (fakeredis[lua])
+    if not all(importlib.util.find_spec(name) for name in ("fakeredis", "lupa")):
         raise ConfigError(
             "idem demo needs a Redis it can start: install redis-server (e.g. apt-get "
             f"install redis-server) or the in-process one: {install_hint('demo')}"
-        ) from exc
+        )
+    from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
 
     port = free_port()
     fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")
