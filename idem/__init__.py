@@ -16,6 +16,7 @@ from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
 from idem.errors import (
     ConfigError,
     IdemError,
+    IndexUnsettled,
     InvalidKey,
     KeyBusy,
     LedgerConflict,
@@ -42,6 +43,7 @@ __all__ = [
     "DuplicateCause",
     "IdemConfig",
     "IdemError",
+    "IndexUnsettled",
     "IndexStats",
     "Invalid",
     "InvalidKey",

@@ -1,4 +1,4 @@
-"""The keys of one batch, validated and bucketed a slice of rows at a time (DESIGN §1 step 1).
+"""A batch's keys, validated and bucketed a slice of rows at a time (docs/pages/protocol.md).
 
 A big batch is claimed in waves (see :mod:`idem.claiming`): while Redis
 runs the claims of one slice of rows, this process validates and buckets the

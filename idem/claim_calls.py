@@ -1,4 +1,4 @@
-"""One claim of many keys at one instant, streamed to Redis as it is built (DESIGN §1 step 2).
+"""One claim of many keys at one instant, streamed to Redis as it is built (docs/pages/protocol.md).
 
 :meth:`idem.hotstore.RedisHotStore.start_claim` makes a :class:`ClaimCalls`; the
 caller adds the keys of a batch slice by slice (each bucket chunk is one

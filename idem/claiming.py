@@ -1,4 +1,4 @@
-"""A batch's claim between sending it and reading its verdicts (DESIGN §1 steps 1-3).
+"""A batch's claim between sending it and reading its verdicts (docs/pages/protocol.md, steps 1-3).
 
 :meth:`idem.dedup.Dedup.start` validates the keys and sends their claims;
 :meth:`PendingClaim.finish` reads the verdicts and classifies every row. In
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from idem.batchkeys import BatchKeys
 from idem.config import DedupMode, MismatchPolicy
+from idem.errors import IndexUnsettled
 from idem.hotstore_types import ClaimInFlight, ClaimResult
 from idem.keys import group_by_bucket
 from idem.outcome import BatchClaim, DuplicateCause
@@ -144,7 +145,7 @@ class PendingClaim:
 
     def _verdicts(self) -> ClaimResult:
         """The sent claims' verdicts; keys of buckets whose index fell behind meanwhile are
-        claimed again once caught up (DESIGN §1 step 3)."""
+        claimed again once caught up: a stale index never answers "new"."""
         verdicts = ClaimResult(
             claimed=[], retaken=[], duplicates={}, busy=[], stale_buckets=frozenset()
         )
@@ -164,9 +165,13 @@ class PendingClaim:
             # already have their verdict (a re-claim would report them as re-taken).
             pending = group_by_bucket(_merge_into(verdicts, result).stale, buckets)
         if pending:
-            raise RuntimeError(
-                f"buckets {sorted(pending)} kept losing their index while claiming; "
-                "is Redis restarting in a loop?"
+            # Nothing of this batch may stay held for a lease: its rows go back to the
+            # sender as a store outage, and the keys must be claimable on the retry.
+            dedup.hot.release(group_by_bucket(verdicts.claimed, buckets), self.owner)
+            raise IndexUnsettled(
+                f"buckets {sorted(pending)} kept losing their Redis index while claiming "
+                f"({MAX_INDEX_ROUNDS} catch-ups); is Redis restarting or failing over in a "
+                "loop? The batch's claims were released"
             )
         return verdicts
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from idem.delay_levels import DEFAULT_MAX_RECONSUME_TIMES, DelayLevels
 from idem.errors import ConfigError
-from idem.redis_client import redis_url_problem
+from idem.redis_client import redacted, redis_url_problem
 
 _GROUP = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h|d)?$")
@@ -186,6 +186,13 @@ class IdemConfig:
                 f"{self.max_reconsume_times} reconsumes); a retried message would no "
                 "longer be recognised as a duplicate"
             )
+
+    def __repr__(self) -> str:
+        """The settings, with the Redis URL's secrets hidden (a repr lands in logs)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["redis_url"] = redacted(self.redis_url)
+        shown = ", ".join(f"{name}={value!r}" for name, value in values.items())
+        return f"{type(self).__name__}({shown})"
 
     def _check_paths(self) -> None:
         """Paths are text (a :class:`~pathlib.Path` is taken as its text); ``data_dir`` is

@@ -1,4 +1,4 @@
-"""The dedup protocol (DESIGN §1) as one object: claim, complete, release.
+"""The dedup protocol (docs/pages/protocol.md) as one object: claim, complete, release.
 
 Redis is a hint, the Delta ledger decides. Before a claim may answer "new",
 every bucket it touches must have indexed every ledger version (its
@@ -99,10 +99,16 @@ class Dedup:
         )
         self._pool: ThreadPoolExecutor | None = None
         self._indexing: Future[CompleteResult] | None = None
+        self._checked = False
 
     def check(self) -> None:
-        """Start-up checks: Redis must not evict keys (``maxmemory-policy noeviction``)."""
+        """Start-up checks: Redis must not evict keys (``maxmemory-policy noeviction``).
+
+        Made before the first claim of this instance whatever the entry point (the Spark
+        decorator, the consumer's middleware, ``@idempotent``); call it to fail earlier.
+        """
         self.hot.check_eviction_policy()
+        self._checked = True
 
     # -- step 1 and 2: normalise and claim -------------------------------------------------
 
@@ -149,6 +155,8 @@ class Dedup:
         rows = order if order is not None else range(len(keys))
         if order is not None and (len(order) != len(keys) or set(order) != set(range(len(keys)))):
             raise ValueError(f"order: must list each of the {len(keys)} rows once")
+        if not self._checked:
+            self.check()
         return PendingClaim(self, keys, owner=owner, order=rows, field=field, hold=hold)
 
     def catch_up(self, buckets: Iterable[int] | None = None, *, recheck: bool = False) -> int:

@@ -55,6 +55,11 @@ class StoreUnavailable(IdemError):
     """Redis could not be reached or answered with an error (outcome unknown)."""
 
 
+class IndexUnsettled(StoreUnavailable):
+    """A claim found its buckets' Redis index behind the ledger again after every catch-up
+    (Redis restarting or failing over in a loop); what the claim took was given back."""
+
+
 class UnsafeRedisConfig(IdemError):
     """Redis is configured so that it may drop keys silently (eviction)."""
 

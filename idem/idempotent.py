@@ -27,6 +27,7 @@ from idem.config import IdemConfig, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, InvalidKey, KeyBusy, PayloadMismatch, SerializationError
 from idem.keys import fingerprint
+from idem.lease_keeper import LeaseKeeper
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -83,10 +84,11 @@ def idempotent(
     recorded as done in the Delta ledger (then in Redis). A later call with a key
     that is done does not run it and returns ``None`` (or the stored result, with
     ``replay_result``). If the function raises, the key is given back and the
-    exception propagates: the next call runs it again. A call holds its key for
-    ``lease_ms``: a call running longer can be started again by another caller,
-    and a crash inside the body runs it again once the lease has expired (the key
-    was never completed). A call while another one holds the key raises
+    exception propagates: the next call runs it again. A call holds its key with a
+    lease of ``lease_ms``, renewed every third of it while the function runs; a
+    process that dies inside the body stops renewing, and a call after the lease
+    expired runs the function again (the key was never completed). A call while
+    another one holds the key raises
     :class:`KeyBusy`; a key that is null, empty, too long or not text raises
     :class:`InvalidKey`. The function must be synchronous (an awaitable result is
     refused with :class:`ConfigError`).
@@ -239,9 +241,8 @@ class _IdempotentCall(Generic[R]):
         payload = self.s.fingerprint_of(*args, **kwargs) if self.s.fingerprint_of else arguments
         printed = fingerprint(_to_json(payload, what="payload"))
         dd = self.dedup()
-        claim = dd.begin(
-            [raw], owner=f"call:{uuid.uuid4().hex}", fingerprints=[printed], field=_field(key)
-        )
+        owner = f"call:{uuid.uuid4().hex}"
+        claim = dd.begin([raw], owner=owner, fingerprints=[printed], field=_field(key))
         if claim.invalid:
             bad = claim.invalid[0]
             raise InvalidKey(bad.message, field=bad.field, reason=bad.reason)
@@ -254,7 +255,8 @@ class _IdempotentCall(Generic[R]):
         if self.s.pass_key_as is not None:
             kwargs = {**kwargs, self.s.pass_key_as: the_key}
         try:
-            value = self.func(*args, **kwargs)
+            with LeaseKeeper(dd, [the_key], owner):  # a call slower than the lease keeps it
+                value = self.func(*args, **kwargs)
             if inspect.isawaitable(value):
                 _close(value)
                 raise ConfigError(

@@ -1,6 +1,6 @@
 """``idem index {status,rebuild}``: look after the Redis index of a group's ledger.
 
-Redis is an index over the Delta ledger (DESIGN §1 step 3). ``status`` shows,
+Redis is an index over the Delta ledger (docs/pages/protocol.md, "Step 3"). ``status`` shows,
 per bucket, the ledger version Redis has indexed and how many completed keys it
 holds; ``rebuild`` reloads the dedup window from the ledger, e.g. to warm a new
 or flushed Redis before traffic returns (claims would otherwise rebuild each

@@ -1,4 +1,4 @@
-"""Keeping Redis a complete index of the Delta ledger (DESIGN §1 step 3).
+"""Keeping Redis a complete index of the Delta ledger (docs/pages/protocol.md, "Step 3").
 
 Before a claim may answer "new", every bucket it touches must have indexed
 every ledger version (its watermark). A bucket that is behind loads only the

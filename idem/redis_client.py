@@ -224,7 +224,8 @@ def _check_one(client: redis.Redis) -> None:
         )
 
 
-_QUERY_PASSWORD = re.compile(r"(^|&)(password=)[^&]*")
+_QUERY_PASSWORD = re.compile(r"(^|&)(\w*password=)[^&]*", re.IGNORECASE)
+"""A query argument carrying a secret: ``password=``, ``ssl_password=`` (a key file's)."""
 
 
 def redacted(url: str) -> str:

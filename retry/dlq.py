@@ -1,4 +1,4 @@
-"""The dead-letter table ``%DLQ%<group>`` in Delta (schema: DESIGN §2, partitioned by dead_date).
+"""The dead-letter table ``%DLQ%<group>`` in Delta (partitioned by dead_date).
 
 A message is dead-lettered with an insert-only MERGE on ``(origin_msg_id,
 msg_id)``: a dead-letter write repeated after a crash (the batch is replayed,
@@ -64,7 +64,7 @@ DLQ_SCHEMA = pa.schema(
         ("replayed_by", pa.string()),
     ]
 )
-"""The ``%DLQ%<group>`` schema of DESIGN §2 (``dead_date`` is the partition column).
+"""The ``%DLQ%<group>`` schema (``dead_date`` is the partition column).
 
 ``replayed_by`` comes last: it was added later, and a table created before it
 gains it at the end, so old and new tables have one column order."""

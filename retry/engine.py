@@ -286,7 +286,7 @@ class RetryEngine:
         app_id: str | None = None,
         txn_version: int | None = None,
     ) -> SendBackResult:
-        """Send back messages whose key is *busy* (DESIGN §1 step 2): not a failure.
+        """Send back messages whose key is *busy* (another owner holds it): not a failure.
 
         A key another owner holds with a live lease must come back after a short
         delay, never be dropped, and never be dead-lettered for being busy: each

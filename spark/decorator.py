@@ -8,7 +8,7 @@
 
     stream.writeStream.foreachBatch(write).start()
 
-Per micro-batch, on the driver: the batch comes over as Arrow;
+Per micro-batch, on the driver (docs/pages/protocol.md): the batch comes over as Arrow;
 bad keys, and rows whose values could not be read (``_idem_malformed``: a
 retry body that no longer fits the schema, a source line that is not JSON),
 go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep

@@ -2,7 +2,7 @@
 
 It starts a private Redis (``redis-server`` on a free loopback port when the
 binary exists, otherwise an in-process fakeredis TCP server — and says
-which), writes an order stream with the seeds' redelivery patterns
+which), writes an order stream with at-least-once redelivery patterns
 (:mod:`idem.spark.demo_data`), runs a real PySpark streaming query through
 ``@exactly_once`` into a Delta sink table, and prints the report with the
 exactly-once check: every good order in the table exactly once, the poison

@@ -1,6 +1,6 @@
 """What a ``foreachBatch`` sink function returns, and how ``@exactly_once`` reads it.
 
-A sink reports the rows it could not write (README, "Use it in your Spark job"):
+A sink reports the rows it could not write (docs/pages/protocol.md, "Step 4"):
 ``None`` or ``CONSUME_SUCCESS`` (all written), ``RECONSUME_LATER`` (none), the
 failed keys, the failed rows (``Row``s, dicts, or a DataFrame of them), or a
 ``{key or row: error}`` mapping. :func:`failed_keys` turns each into

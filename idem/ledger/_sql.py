@@ -3,7 +3,7 @@
 Every value interpolated into SQL here is a date, a timestamp or an integer
 formatted by this module; keys never are: a key lookup joins a temporary
 probe table instead (one ``IN (...)`` with 100k literals crashes deltalake
-1.6.6, DESIGN §7). Filters on ``completed_date`` prune partitions and filters
+1.6.6). Filters on ``completed_date`` prune partitions and filters
 on ``completed_at`` prune files by their statistics.
 """
 

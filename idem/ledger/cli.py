@@ -1,7 +1,7 @@
 """``idem ledger {version,audit,expire,compact}``: look after a group's Delta ledger.
 
 ``audit`` lists keys the ledger holds more than once (the narrow failover
-hole of DESIGN §1) and exits 1 when there are any, so a cron job can alert;
+hole of docs/pages/guarantees.md) and exits 1 when there are any, so a cron job can alert;
 ``expire --older-than 30d`` deletes whole days older than that and vacuums;
 ``compact`` merges the small per-batch files of past days.
 """

@@ -11,10 +11,10 @@ with ``txnAppId = idem:<group>:<owner>`` and ``txnVersion`` counting up, so a
 retried commit adds nothing the first attempt already wrote; then Redis learns
 the keys are COMPLETED. Only then are the deferrals resolved.
 
-Crash windows (DESIGN §1): a crash before the commit is durable leaves the keys
+Crash windows (docs/pages/guarantees.md): a crash before the commit is durable leaves the keys
 IN_PROGRESS under a dead owner and their offsets uncommitted, so they are
 redelivered, found busy until the lease runs out, then claimed and consumed
-again — the "between 4 and 5" row (at most one repeat per crash, with the same
+again — the "inside any other sink" row (at most one repeat per crash, with the same
 key), widened from one call to at most ``interval_ms`` + one commit, and capped by
 ``max_pending_keys``. A crash after the commit only redelivers keys the ledger
 already holds: duplicates, counted.
@@ -41,7 +41,7 @@ import pyarrow as pa
 from idem.dedup import Dedup
 from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
-from idem.retry.consumer.listener import Deferred, Failure
+from idem.retry.consumer.listener import Deferred, store_outage
 from idem.retry.consumer.rebalance import load_script
 from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.message import MessageExt
@@ -224,7 +224,7 @@ class GroupCommitter:
             except BaseException as exc:  # never leave a caller waiting forever
                 log.exception("group commit crashed")
                 for item in batch:
-                    item.deferred.resolve(Failure(f"dedup commit failed: {exc}", transient=True))
+                    item.deferred.resolve(store_outage(f"dedup commit failed: {exc}"))
             finally:
                 with self._cond:
                     self._pending_keys -= sum(len(item.keys) for item in batch)
@@ -290,7 +290,7 @@ class GroupCommitter:
             "completing %d key(s) failed; they will be consumed again", len(keys), exc_info=error
         )
         for item in batch:
-            item.deferred.resolve(Failure(f"dedup commit failed: {error}", transient=True))
+            item.deferred.resolve(store_outage(f"dedup commit failed: {error}"))
 
     # -- the group's commit lock -----------------------------------------------------------
 

@@ -68,6 +68,21 @@ class Failure:
     counts: bool = True
 
 
+OUTAGE_DELAY_LEVEL = 3
+"""The delay level (10 s by default) of a message sent back because idem's own dedup store
+failed it (a claim or a commit), not its listener."""
+
+
+def store_outage(reason: str) -> Failure:
+    """The failure of a message that idem's dedup store could not claim or commit.
+
+    Not the listener's failure: the message comes back after :data:`OUTAGE_DELAY_LEVEL`
+    with ``reconsume_times`` unchanged, so an outage of the store, however long, never
+    dead-letters a healthy message.
+    """
+    return Failure(reason, OUTAGE_DELAY_LEVEL, transient=True, counts=False)
+
+
 class Deferred:
     """Acknowledgements that become final later (e.g. once a group commit is durable).
 
@@ -360,7 +375,7 @@ def collecting_marks() -> Iterator[DoneMarks]:
 
 
 class DefaultMessageListenerConcurrently:
-    """The seeds' ``DefaultMessageListenerConcurrently``: handle messages one by one.
+    """RocketMQ's ``DefaultMessageListenerConcurrently``: handle messages one by one.
 
     The first exception stops the batch and returns ``RECONSUME_LATER`` — so the
     whole batch is sent back, including the messages already handled (redelivery

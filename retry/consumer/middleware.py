@@ -8,7 +8,7 @@
     @exactly_once(dedup, key="body.order_id")
     def listener(msgs, context): ...
 
-Around every consume call the middleware (DESIGN §1):
+Around every consume call the middleware (docs/pages/protocol.md):
 
 1. extracts each message's key (``keys``, ``tags``, ``property.<NAME>``,
    ``body.<json path>`` or a callable); a bad key is dead-lettered with a reason
@@ -70,6 +70,7 @@ from idem.retry.consumer.listener import (
     ConsumeScope,
     Failure,
     collecting_marks,
+    store_outage,
 )
 from idem.retry.message import MessageExt
 from idem.retry.sendback import BUSY_DELAY_LEVEL
@@ -286,7 +287,7 @@ class DedupMiddleware:
             except Exception as exc:
                 log.warning("dedup claim failed; the batch will be retried", exc_info=True)
                 for i in here:
-                    result.failed[i] = Failure(f"dedup unavailable: {exc}", transient=True)
+                    result.failed[i] = store_outage(f"dedup unavailable: {exc}")
                 return result
             self._classify(messages, scope, raw, claim, here=here, result=result)
             fresh_k = list(claim.fresh)
@@ -311,7 +312,12 @@ class DedupMiddleware:
         return self.committer.flush(None if timeout_ms is None else timeout_ms / 1000)
 
     def open(self) -> None:
-        """A consumer starts with this layer (its shutdown or kill calls :meth:`close`)."""
+        """A consumer starts with this layer (its shutdown or kill calls :meth:`close`).
+
+        Refuses (:class:`~idem.errors.UnsafeRedisConfig`) a Redis that may evict keys,
+        so the consumer does not start on it.
+        """
+        self.dedup.check()
         with self._lock:
             self._users += 1
 
@@ -512,7 +518,7 @@ class DedupMiddleware:
             self._release(claim, done_k)
             for k in done_k:
                 result.failed.setdefault(
-                    here[k], Failure(f"dedup commit failed: {exc}", transient=True)
+                    here[k], store_outage(f"dedup commit failed: {exc}")
                 )
             return set()
         deferred.on_resolved(lambda failure: self._committed(item, claim, done_k, failure))

@@ -1,4 +1,4 @@
-"""The dedup guarantees of DESIGN §1, shown with a real redis-server and real Delta tables.
+"""The dedup guarantees (docs/pages/guarantees.md), shown with a real redis-server and Delta tables.
 
 Each test asserts what a user cares about: which keys reached the sink, how
 often, and why the others did not.
@@ -330,7 +330,7 @@ def test_a_key_taken_over_from_an_expired_lease_is_reported_reclaimed(
 def test_claims_lost_in_a_failover_still_reach_the_ledger_once(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """DESIGN §1's narrow hole: both sinks run, but the ledger keeps each key once."""
+    """The failover hole: both sinks run, but the ledger keeps each key once."""
     client = redis_server.client()
     client.flushall()
     a, b = Dedup(_config(tmp_path, redis_server.url)), Dedup(_config(tmp_path, redis_server.url))

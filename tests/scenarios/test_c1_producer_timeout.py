@@ -3,8 +3,8 @@
 The broker (a private redis-server) stalls for 450 ms (``DEBUG SLEEP``) while the
 producer's send is in flight. The producer's 300 ms send timeout fires, so it
 resends (``retry_times_when_send_failed`` = 2) to another queue — and when the
-broker wakes it stores both: the same key and the same msg id, twice (seeds 002
-and 004: "消费者后续会收到两条内容相同并且 Message ID 也相同的消息").
+broker wakes it stores both: the same key and the same msg id, twice (as RocketMQ
+users are warned: "消费者后续会收到两条内容相同并且 Message ID 也相同的消息").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """C2: one message of a batch fails, so the whole batch is sent back (seed 004).
 
-``consume_message_batch_max_size`` = 8 and the seeds' listener, which handles
+``consume_message_batch_max_size`` = 8 and RocketMQ's default listener, which handles
 the messages one by one and returns ``RECONSUME_LATER`` at the first failure:
 the messages handled before the failing one were written to the sink, and come
 back from ``%RETRY%<group>`` with the rest of the batch.

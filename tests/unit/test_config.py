@@ -14,7 +14,7 @@ from idem.retry.consumer import ConsumerSettings
 pytestmark = pytest.mark.unit
 
 
-def test_defaults_match_the_design() -> None:
+def test_defaults_match_the_documented_ones() -> None:
     config = IdemConfig(group="orders")
     assert config.mode is DedupMode.INDEX
     assert config.max_key_bytes == 512

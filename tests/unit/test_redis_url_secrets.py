@@ -88,3 +88,17 @@ def test_a_spilled_password_flag_is_exit_2_without_the_password(
     err = capsys.readouterr().err
     assert "argument --redis-url:" in err
     assert SECRET not in err
+
+
+def test_an_ssl_key_password_in_the_query_is_redacted() -> None:
+    url = f"rediss://10.0.0.5:6380/0?ssl_keyfile=/k.pem&ssl_password={SECRET}"
+    assert redacted(url) == "rediss://10.0.0.5:6380/0?ssl_keyfile=/k.pem&ssl_password=***"
+
+
+def test_a_configs_repr_shows_no_secret_of_its_redis_url() -> None:
+    config = IdemConfig(
+        group="orders", redis_url=f"rediss://idem:{SECRET}@10.0.0.5:6380/0?ssl_password={SECRET}"
+    )
+    assert SECRET not in repr(config)
+    assert SECRET not in f"{config}"
+    assert "rediss://idem:***@10.0.0.5:6380/0" in repr(config)

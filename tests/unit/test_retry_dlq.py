@@ -81,7 +81,7 @@ def test_a_transaction_already_committed_writes_nothing(tmp_path: Path, clock: M
     assert DeltaTable(str(tmp_path / "dlq")).version() == version
 
 
-def test_rows_carry_the_design_schema(tmp_path: Path, clock: ManualClock) -> None:
+def test_rows_carry_the_documented_schema(tmp_path: Path, clock: ManualClock) -> None:
     table = DeadLetterTable(str(tmp_path / "dlq"), "CID_dlq", clock=clock)
     table.write(_letters(clock, 1))
     (row,) = table.list()

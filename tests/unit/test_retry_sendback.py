@@ -1,4 +1,4 @@
-"""The broker's send-back rules (DESIGN §3), as pure decisions."""
+"""The broker's send-back rules (docs/pages/protocol.md, "The resend path"), as pure decisions."""
 
 from __future__ import annotations
 

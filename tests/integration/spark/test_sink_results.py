@@ -2,7 +2,7 @@
 
 Each case is a sink that fails row ``B`` (``v < 0``) of a two-row batch: ``A`` must be
 applied and ``B`` retried, or, when reading the result raises, both retried, as when the
-function itself raises (README: "an exception fails every fresh row").
+function itself raises (docs/pages/protocol.md: "an exception fails every fresh row").
 """
 
 from __future__ import annotations
