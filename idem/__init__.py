@@ -1,10 +1,15 @@
 """idem: exactly-once sinks on at-least-once delivery.
 
 Business-key claims in Redis (hot), a Delta Lake ledger (durable), RocketMQ's
-resend path in :mod:`idem.retry`, PySpark glue in :mod:`idem.spark`.
+resend path in :mod:`idem.retry`, PySpark glue in :mod:`idem.spark` (which needs
+PySpark; nothing else here does).
+
+For plain Python: :func:`idempotent` (a decorator) and :class:`Dedup` (the claims and
+the ledger under it), configured by :class:`IdemConfig`. A clock for tests
+(:class:`idem.clock.ManualClock`) lives in its module.
 """
 
-from idem.clock import Clock, ManualClock, SystemClock
+from idem.clock import Clock, SystemClock
 from idem.config import DedupMode, IdemConfig, MismatchPolicy
 from idem.dedup import Dedup
 from idem.delay_levels import DEFAULT_DELAY_LEVELS, DelayLevels
@@ -45,7 +50,6 @@ __all__ = [
     "KeyBusy",
     "LedgerConflict",
     "LedgerError",
-    "ManualClock",
     "MismatchPolicy",
     "PayloadMismatch",
     "SerializationError",
@@ -56,3 +60,4 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+"""The release; the one place it is set (the package metadata reads it from here)."""

@@ -3,7 +3,9 @@
 Subcommands are contributed by each layer through a ``register(subparsers)``
 function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
 ``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
-looked up by name so the core does not import the layers built on it.
+looked up by name so the core does not import the layers built on it. When a
+layer's optional dependency is not installed (PySpark for ``idem.spark.cli``), its
+commands are still listed, and running one says what to install (exit 2).
 
 Exit codes, the same for every subcommand: 0 done; 1 an idem error (the
 message says which) or, for ``ledger audit``, keys held more than once; 2 bad
@@ -19,15 +21,49 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import redis
 
+from idem import __version__
 from idem.cli_args import in_flags
 from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.extras import install_hint
 
 LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.acl_cli", "idem.retry.cli", "idem.spark.cli")
 """Modules that may contribute subcommands; a missing one is simply absent."""
+
+
+@dataclass(frozen=True)
+class _OptionalLayer:
+    """What a layer needs beyond the core, and the commands it would contribute."""
+
+    module: str
+    """The top-level module that may be missing (the ``name`` of the import error)."""
+    what: str
+    commands: dict[str, str]
+    """Each command's name and help line."""
+    extra: str
+    """The extra that installs ``module``."""
+    extra_of: dict[str, str]
+    """Commands that need a wider extra than ``extra``."""
+
+
+_OPTIONAL = {
+    "idem.spark.cli": _OptionalLayer(
+        module="pyspark",
+        what="PySpark",
+        commands={
+            "demo": "run the whole pipeline on embedded defaults",
+            "run": "read JSON-lines files as a stream and write them exactly once",
+            "dlq": "the %%DLQ%%<group> table: ls, show, replay, discard",
+        },
+        extra="spark",
+        extra_of={"demo": "demo"},
+    ),
+}
+"""Layers whose commands need more than the core: listed even when that is missing."""
 
 
 class _Registrar(Protocol):
@@ -94,12 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in LAYERS:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name is not None and name.startswith(exc.name):
+                continue
+            optional = _OPTIONAL.get(name)
+            if optional is not None and _missing(exc, optional.module):
+                _register_unavailable(subparsers, optional)
                 continue
             raise
         register = getattr(module, "register", None)
@@ -108,10 +149,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing(error: ModuleNotFoundError, module: str) -> bool:
+    """Whether ``error`` is ``module`` (or one of its submodules) not being installed."""
+    return error.name is not None and (error.name == module or error.name.startswith(module + "."))
+
+
+def _register_unavailable(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], layer: _OptionalLayer
+) -> None:
+    """List ``layer``'s commands; each one, run, names what to install and exits 2."""
+    for command, text in layer.commands.items():
+        hint = install_hint(layer.extra_of.get(command, layer.extra))
+        needs = f"needs {layer.what}: {hint}"
+        sub = subparsers.add_parser(
+            command, help=f"{text} ({needs})", description=f"{text}; {needs}", add_help=False
+        )
+        sub.set_defaults(func=_unavailable(command, needs), takes_any_arguments=True)
+
+
+def _unavailable(command: str, needs: str) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        print(f"idem: error: idem {command} {needs}", file=sys.stderr)
+        return EXIT_USAGE
+
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``idem`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # an unavailable command takes any arguments: it is to say what to install, not that
+    # a flag of the command it stands in for is unknown
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     handler = logging.StreamHandler()
     handler.setFormatter((logging.Formatter if args.verbose else _Formatter)(_LOG_FORMAT))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])

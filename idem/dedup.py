@@ -60,7 +60,23 @@ class Dedup:
 
     ``begin`` classifies a batch (fresh / duplicate / busy / invalid) and claims
     the fresh keys for ``owner``; ``complete`` records the succeeded keys in the
-    ledger and then in Redis; ``release`` gives failed keys back.
+    ledger and then in Redis; ``release`` gives failed keys back. One ``Dedup`` may
+    serve many batches and threads of one process; :meth:`close` it at the end.
+
+    Args:
+        config: The group's settings: its Redis URL, ledger path, dedup window,
+            lease length, key limits and mismatch policy.
+        client: A Redis client to use instead of one built from
+            ``config.redis_url`` (ignored when ``hot`` is given).
+        hot: The Redis side (claims and the index of completed keys); by default
+            a :class:`~idem.hotstore.RedisHotStore` on ``client``.
+        ledger: The durable Delta ledger; by default
+            :func:`~idem.ledger.open_ledger` of ``config``.
+        clock: The time source of leases and the dedup window (inject one in
+            tests; it must be the same wall time for every process of the group).
+        catch_up_grace_ms: How long a claim waits, when the ledger is ahead of
+            the Redis index, for the writer of the newer commits to index them
+            before it loads them from the ledger itself.
     """
 
     def __init__(

@@ -80,21 +80,47 @@ def idempotent(
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Make a callable run once per business key (and group) within the dedup window.
 
-    A call holds its key for ``lease_ms``: a call running longer can be started
-    again by another caller, and a crash inside the body runs it again once the
-    lease has expired (the key was never completed).
+    The first call with a key runs the function; when it returns, the key is
+    recorded as done in the Delta ledger (then in Redis). A later call with a key
+    that is done does not run it and returns ``None`` (or the stored result, with
+    ``replay_result``). If the function raises, the key is given back and the
+    exception propagates: the next call runs it again. A call holds its key with a
+    lease of ``lease_ms``, renewed every third of it while the function runs; a
+    process that dies inside the body stops renewing, and a call after the lease
+    expired runs the function again (the key was never completed). A call while
+    another one holds the key raises
+    :class:`KeyBusy`; a key that is null, empty, too long or not text raises
+    :class:`InvalidKey`. The function must be synchronous (an awaitable result is
+    refused with :class:`ConfigError`).
 
-    - ``key``: dotted path into the bound arguments, or a callable taking the
-      same arguments and returning the key.
-    - ``replay_result``: store the JSON result and return it on repeats
-      (otherwise a repeat returns ``None``).
-    - ``fingerprint_of``: what identifies the payload (default: all arguments as
-      JSON); a repeat with a different fingerprint follows ``on_mismatch``
-      (default: the config's ``mismatch_policy``): ``accept``, ``warn``,
-      ``raise`` (:class:`PayloadMismatch`) or ``dead_letter`` (``on_dead_letter``
-      is called and ``None`` returned).
-    - ``pass_key_as``: name of a keyword argument through which the function
-      receives its idempotency key.
+    Args:
+        key: A dotted path into the call's bound arguments (``"order.order_id"``:
+            attributes or mapping items), or a callable taking the same arguments
+            and returning the key.
+        config: The group's settings; a :class:`Dedup` is built from it on the
+            first call. Pass exactly one of ``config`` and ``dedup``.
+        dedup: A :class:`Dedup` to share with other decorated functions or
+            consumers of the same group.
+        replay_result: Store the result (it must be JSON-serialisable) with the
+            key and return it on repeats; otherwise a repeat returns ``None``.
+        fingerprint_of: Called with the call's arguments before the key is
+            claimed; returns what identifies the payload (default: all arguments
+            as JSON). It must be cheap and have no side effects. A repeat with a
+            different fingerprint follows ``on_mismatch``.
+        on_mismatch: What a repeat with another payload does (default: the
+            config's ``mismatch_policy``): ``accept`` or ``warn`` (return as any
+            repeat), ``raise`` (:class:`PayloadMismatch`) or ``dead_letter``.
+        on_dead_letter: With ``dead_letter``, called as ``on_dead_letter(key,
+            error)`` in the caller's thread instead of the function; the call then
+            returns ``None``. It must not call the decorated function for that key
+            (the key is done; the call would be a repeat again).
+        pass_key_as: Name of a keyword parameter of the function through which it
+            receives its normalised idempotency key (left out of the
+            fingerprint).
+
+    Returns:
+        A decorator; the decorated function returns the function's result, or on
+        a repeat ``None`` / the stored result.
     """
     if (config is None) == (dedup is None):
         raise ConfigError("idempotent: pass exactly one of config= or dedup=")

@@ -460,13 +460,47 @@ def exactly_once(
 ) -> Callable[[SinkFunction], ExactlyOnce]:
     """Decorate a ``foreachBatch`` function so it sees every business key once.
 
-    ``group`` or ``config`` (or ``IDEM_*`` variables) name the consumer group.
-    ``idempotency_column`` adds a column ``<group>:<key>`` to the rows the
-    function gets — the same value whenever a row could reach it twice.
-    ``msg_id`` names a column holding the source's message id (a producer's
-    resend and a redelivery carry the same one); without it a row's id is
-    derived from its key and payload. Copies of one message share one retry
-    chain and at most one DLQ row.
+    The function is called on the driver once per micro-batch, as
+    ``fn(fresh, batch_id)``, with a Spark DataFrame of the rows whose key was never
+    completed (in-batch duplicates, completed keys and bad rows are taken out
+    first). It returns the keys it could not take (a list of keys, a DataFrame of
+    rows, or a ``{key: error}`` mapping; ``None`` means all were taken); if it
+    raises, every fresh row counts as failed. Failed rows go back on the delay
+    ladder and, after ``max_reconsume_times``, to ``%DLQ%<group>``. It may be
+    called again with the same rows when Spark replays a batch or a lease
+    expired, so it must write idempotently (e.g. keyed on ``idempotency_column``)
+    and must not stop the query or the session.
+
+    Args:
+        group: The consumer group; overrides ``config.group``. Without
+            ``config``, the settings come from ``IDEM_*`` variables.
+        key: The column holding the business key.
+        config: The group's settings (Redis URL, Delta paths, dedup window, delay
+            levels, mismatch policy, ...).
+        client: A Redis client to use instead of one built from
+            ``config.redis_url``.
+        sink_table: A Delta table to write the rows the function accepted into,
+            in the same commit as the record that their keys are done; the table
+            is then the group's ledger.
+        topic: The topic name recorded with these rows' messages (retry topic,
+            journal, DLQ rows).
+        idempotency_column: Adds a column of this name, ``<group>:<key>``, to the
+            rows the function gets: the same value whenever a row could reach it
+            twice. It must not be a column of the rows.
+        fingerprint: Hash each row's payload (in Spark): a repeat of a completed
+            key with a different payload follows the config's
+            ``mismatch_policy``, and without ``msg_id`` copies of one message are
+            recognised by key and payload. ``False`` skips the hash, and with it
+            both checks.
+        msg_id: A column holding the source's message id (a producer's resend and
+            a redelivery carry the same one); without it a row's id is derived
+            from its key and payload. Copies of one message share one retry
+            chain and at most one DLQ row.
+        clock: The time source of leases, delays and the dedup window.
+
+    Returns:
+        A decorator turning the function into an :class:`ExactlyOnce` to pass to
+        ``foreachBatch``.
     """
     resolved = resolve_config(group, config)
 

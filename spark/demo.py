@@ -12,6 +12,7 @@ orders and bad rows in ``%DLQ%<group>``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import shutil
 import sys
@@ -27,6 +28,8 @@ from deltalake import DeltaTable
 
 from idem.config import IdemConfig
 from idem.delay_levels import DelayLevels
+from idem.errors import ConfigError
+from idem.extras import install_hint
 from idem.ledger import read_table
 from idem.redis_server import RedisServer, free_port, redis_server_binary
 from idem.retry.dlq import DeadLetterStatus
@@ -67,6 +70,12 @@ def embedded_redis() -> Iterator[EmbeddedRedis]:
         finally:
             server.stop()
         return
+    # fakeredis runs idem's Lua scripts with lupa (fakeredis[lua])
+    if not all(importlib.util.find_spec(name) for name in ("fakeredis", "lupa")):
+        raise ConfigError(
+            "idem demo needs a Redis it can start: install redis-server (e.g. apt-get "
+            f"install redis-server) or the in-process one: {install_hint('demo')}"
+        )
     from fakeredis import TcpFakeServer  # noqa: PLC0415 - only needed without redis-server
 
     port = free_port()

@@ -357,7 +357,21 @@ def retry_stream(
     config: IdemConfig | None = None,
     group: str | None = None,
 ) -> DataFrame:
-    """The group's retry topic as a streaming DataFrame of the failed rows (see module doc)."""
+    """The group's retry topic as a streaming DataFrame of the failed rows (see module doc).
+
+    Args:
+        spark: The session the stream is read in (the data source is registered
+            in it).
+        schema: The schema of the rows as the sink sees them; a failed row's body
+            is decoded with it.
+        config: The group's settings (Redis URL, delay levels, journal and DLQ
+            paths). Without it, they come from ``IDEM_*`` variables.
+        group: The consumer group; overrides ``config.group``.
+
+    Returns:
+        A streaming DataFrame of ``schema``'s columns plus ``reconsume_times`` and
+        ``_idem_message``; union it right before the ``foreachBatch`` sink.
+    """
     if config is None:
         config = IdemConfig.from_env(group=group) if group else IdemConfig.from_env()
     elif group is not None and group != config.group:
@@ -370,6 +384,23 @@ def retry_stream(
 def with_retries(
     df: DataFrame, *, config: IdemConfig | None = None, group: str | None = None
 ) -> DataFrame:
-    """``df`` unioned with its group's retry stream (same columns, plus the retry columns)."""
+    """``df`` unioned with its group's retry stream (same columns, plus the retry columns).
+
+    The rows an ``@exactly_once`` sink of the same group could not take come back
+    through this stream on the delay ladder, with the columns they had when they
+    failed. Apply it right before ``foreachBatch``: the retried rows must be rows
+    the sink saw, so no transformation may come between.
+
+    Args:
+        df: The streaming DataFrame of the source (one row per message); its schema
+            decodes the retried rows.
+        config: The group's settings (Redis URL, delay levels, journal and DLQ
+            paths). Without it, they come from ``IDEM_*`` variables.
+        group: The consumer group; overrides ``config.group``.
+
+    Returns:
+        ``df.unionByName(retry_stream(...), allowMissingColumns=True)``: ``df``'s
+        columns plus ``reconsume_times`` and ``_idem_message``.
+    """
     retries = retry_stream(df.sparkSession, schema=df.schema, config=config, group=group)
     return df.unionByName(retries, allowMissingColumns=True)

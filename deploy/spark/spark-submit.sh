@@ -29,7 +29,7 @@
 # submitting host needs that access, or pass pre-downloaded jars with --jars.
 # Pick the delta-spark release built for your Spark version: 4.0.x is for
 # Spark 4.0.x (Delta's compatibility table lists the others). The driver's
-# Python also needs the delta-spark package: pip install 'idem[spark-delta]'.
+# Python also needs the delta-spark package: pip install 'idem-exactly-once[spark-delta]'.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

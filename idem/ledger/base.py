@@ -221,7 +221,7 @@ def open_ledger(
             raise LedgerError(
                 "engine='spark' needs an active SparkSession whose spark.sql.extensions "
                 f"includes {DELTA_SPARK_EXTENSION} and the delta-spark package "
-                "(pip install 'idem[spark-delta]'); use engine='deltars' otherwise"
+                "(pip install 'idem-exactly-once[spark-delta]'); use engine='deltars' otherwise"
             )
     from idem.ledger.deltars import DeltaLedger  # noqa: PLC0415 -- deltars imports this module
 

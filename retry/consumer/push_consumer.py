@@ -87,7 +87,42 @@ consumed again. A commit taking longer finishes in the background, uncounted."""
 
 
 class PushConsumer:
-    """One instance of a consumer group (``DefaultMQPushConsumer``)."""
+    """One instance of a consumer group (``DefaultMQPushConsumer``).
+
+    Configure it (:meth:`subscribe`, a listener, :meth:`use`) before :meth:`start`.
+    Listeners and middleware are called on the consumer's consume threads, one
+    call per batch of at most ``consume_message_batch_max_size`` messages of one
+    queue; the middleware run outermost first, around the listener. A listener
+    returns its status (an exception counts as ``RECONSUME_LATER``). Listener and
+    middleware should finish within ``consume_timeout_ms``: a concurrent
+    consumer sends a message still in flight after that back to be consumed
+    again. They must not call :meth:`shutdown` of their own consumer (it waits
+    up to ``await_termination_ms`` for the running calls, their own included).
+
+    Args:
+        config: The group's settings: its name, Redis URL, delay levels,
+            ``max_reconsume_times`` (unless ``settings`` sets it) and the paths of
+            the retry journal and the DLQ.
+        settings: RocketMQ's consumer settings (message model, thread counts,
+            batch sizes, consume-from-where, timeouts); RocketMQ's defaults if
+            omitted.
+        client: The Redis client of the topics and the retry engine; built from
+            ``config.redis_url`` if omitted.
+        engine: The retry engine failed messages are sent back through; by
+            default one on ``client`` with the consumer's ``max_reconsume_times``.
+            Broadcasting consumers have none (RocketMQ does not retry their
+            messages).
+        offset_client: The Redis client of the consume offsets (clustering);
+            ``client`` if omitted.
+        instance_name: This instance's name in the group (its client id, and the
+            offset file's name when broadcasting); a random one if omitted.
+        middleware: Layers around the listener (e.g. :class:`DedupMiddleware`),
+            the first outermost; :meth:`use` adds more.
+        run_schedule_service: Run the group's schedule service (due retries move
+            to ``%RETRY%<group>``) in this process while the consumer runs. Pass
+            ``False`` when ``idem schedule`` or another process runs it.
+        clock: The time source of delays, timeouts and offsets' persistence.
+    """
 
     def __init__(
         self,

@@ -1,0 +1,139 @@
+"""What the package promises its installer: the name, the extras, and a core without PySpark.
+
+The installed wheel itself is checked by ``.ci/wheel`` (fresh virtualenvs, with and
+without extras); these tests keep the sources consistent with it and show, in a child
+Python where ``pyspark`` cannot be imported, what a user without PySpark gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import idem
+from idem.cli import _OPTIONAL, build_parser
+from idem.extras import DISTRIBUTION
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+# Run in a child Python: the import system refuses pyspark as if it were not installed.
+WITHOUT_PYSPARK = textwrap.dedent(
+    """
+    import sys
+    from importlib.abc import MetaPathFinder
+
+    class NoPySpark(MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "pyspark" or name.startswith("pyspark."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, NoPySpark())
+    """
+)
+
+
+def _without_pyspark(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_PYSPARK + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_distribution_name_is_the_one_the_messages_name() -> None:
+    assert PROJECT["name"] == DISTRIBUTION
+    extras = PROJECT["optional-dependencies"]
+    for layer in _OPTIONAL.values():
+        for extra in {layer.extra, *layer.extra_of.values()}:
+            assert extra in extras, f"the CLI names the extra {extra!r}, which is not declared"
+
+
+def test_the_core_dependencies_leave_pyspark_and_fakeredis_to_the_extras() -> None:
+    core = " ".join(PROJECT["dependencies"]).lower()
+    assert "pyspark" not in core
+    assert "fakeredis" not in core
+    extras = PROJECT["optional-dependencies"]
+    assert any(d.startswith("pyspark") for d in extras["spark"])
+    assert any(d.startswith("fakeredis[lua]") for d in extras["demo"])
+    assert any(d.startswith("pyspark") for d in extras["demo"])
+
+
+def test_idem_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"idem {idem.__version__}"
+
+
+def test_the_commands_listed_without_pyspark_are_the_ones_the_spark_layer_adds() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    spark_commands = set(_OPTIONAL["idem.spark.cli"].commands)
+    assert spark_commands <= set(commands)
+    # with PySpark installed they are the real commands, which take --help
+    for name in spark_commands:
+        assert any("-h" in a.option_strings for a in commands[name]._actions), name
+
+
+def test_the_core_imports_without_pyspark() -> None:
+    done = _without_pyspark(
+        """
+        import idem
+        from idem import Dedup, IdemConfig, idempotent
+        import idem.retry
+        from idem.retry.consumer import PushConsumer
+        import idem.ledger
+        import idem.cli
+        assert "pyspark" not in sys.modules
+        try:
+            import idem.spark
+        except ModuleNotFoundError as exc:
+            print(exc)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"pip install '{DISTRIBUTION}[spark]'" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "extra"),
+    [
+        (["demo"], "demo"),
+        (["run", "--source", "x", "--key", "k"], "spark"),
+        (["dlq", "ls"], "spark"),
+    ],
+)
+def test_a_spark_command_without_pyspark_names_what_to_install(
+    command: list[str], extra: str
+) -> None:
+    done = _without_pyspark(f"from idem.cli import main; sys.exit(main({command!r}))")
+    assert done.returncode == 2, done.stderr
+    assert f"needs PySpark: pip install '{DISTRIBUTION}[{extra}]'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_other_commands_work_without_pyspark() -> None:
+    done = _without_pyspark(
+        """
+        from idem.cli import main
+        for argv in (["--help"], ["schedule", "--help"], ["index", "status", "--help"]):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                assert exc.code == 0, (argv, exc.code)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "needs PySpark" in done.stdout  # --help lists demo, run and dlq with the hint
