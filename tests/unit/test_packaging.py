@@ -137,3 +137,18 @@ def test_the_other_commands_work_without_pyspark() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "needs PySpark" in done.stdout  # --help lists demo, run and dlq with the hint
+
+
+def test_every_package_directory_is_in_the_wheels_package_list() -> None:
+    """pyproject names the packages (a remapped namespace is not discovered from it);
+    a package directory left out would be missing from the installed wheel."""
+    roots = {"idem": ROOT / "idem", "idem.retry": ROOT / "retry", "idem.spark": ROOT / "spark"}
+    on_disk = {
+        ".".join([name, *init.parent.relative_to(folder).parts])
+        for name, folder in roots.items()
+        for init in folder.rglob("__init__.py")
+    }
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
+        "setuptools"
+    ]
+    assert sorted(setuptools["packages"]) == sorted(on_disk)
