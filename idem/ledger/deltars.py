@@ -58,7 +58,7 @@ from tenacity import (
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log, _sql
-from idem.ledger._added import AddedKeys
+from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
@@ -66,8 +66,8 @@ from idem.ledger.schema import (
     LedgerIdentity,
     check_ledger_table,
     conform,
-    describe_ledger,
     date_of_ms,
+    describe_ledger,
     first_per_key,
     recorded_writer,
     to_index_rows,
@@ -95,8 +95,6 @@ WRITER_PROPERTIES = WriterProperties(
 """How the ledger's files are written: no dictionary for the columns whose values are
 (nearly) all different. The Parquet writer would build a dictionary for them and give
 it up again; skipping that halves the write of a 100k-row batch (``bench/spark_batch.py``)."""
-
-_INDEX_FILE_COLUMNS = ("key", "fingerprint", "completed_at")
 
 ENGINE = "delta-rs"
 """What this engine records in the table's ``idem.engine`` property."""
@@ -392,15 +390,9 @@ class DeltaLedger:
         """Source keys that our commit at ``version`` did not add (the ledger had them)."""
         try:
             entry = self._read_commit(version)
-            files = [self._read_index_file(f) for f in entry.added if f.data_change]
         except _log.HistoryGone as gone:
             raise LedgerError(f"ledger {self._uri}: {gone} vanished right after commit") from None
-        inserted = pa.chunked_array(
-            [chunk for table in files for chunk in table.column("key").chunks], type=pa.string()
-        )
-        keys = source.column("key")
-        mask = pc.invert(pc.is_in(keys, value_set=inserted.combine_chunks()))
-        return keys.filter(mask).to_pylist()  # type: ignore[no-any-return]
+        return keys_not_added(self._store, self._uri, entry, source.column("key"))
 
     # -- reading what was missed -------------------------------------------------
 
@@ -433,26 +425,10 @@ class DeltaLedger:
         return ChangedKeys(since_version=version, version=current, keys=keys, files_read=files_read)
 
     def _read_commit(self, version: int) -> _log.CommitEntry:
-        try:
-            data = self._store.read_bytes(_log.commit_name(version))
-        except FileNotFoundError:
-            raise _log.HistoryGone(f"commit {version}") from None
-        except OSError as exc:
-            raise LedgerError(f"ledger {self._uri}: cannot read commit {version}: {exc}") from exc
-        return _log.parse_commit(version, data)
+        return read_commit(self._store, self._uri, version)
 
     def _read_index_file(self, added: _log.AddedFile) -> pa.Table:
-        try:
-            data = self._store.read_parquet(added.path, _INDEX_FILE_COLUMNS)
-        except FileNotFoundError:
-            raise _log.HistoryGone(f"data file {added.path}") from None
-        except (OSError, pa.ArrowException) as exc:
-            raise LedgerError(f"ledger {self._uri}: cannot read {added.path}: {exc}") from exc
-        bucket = added.partition_values.get("bucket")
-        if bucket is None:
-            raise LedgerError(f"ledger {self._uri}: file {added.path} has no bucket partition")
-        column = pa.array([int(bucket)] * data.num_rows, pa.int32())
-        return to_index_rows(data.append_column("bucket", column))
+        return read_index_file(self._store, self._uri, added)
 
     # -- window, lookups, audit ------------------------------------------------------
 
