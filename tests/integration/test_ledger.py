@@ -748,6 +748,30 @@ def test_a_key_another_writer_commits_just_before_the_merge_is_reported_present(
     assert ledger_keys(ours) == ["A", "B", "seed"]
 
 
+def test_a_spark_commit_reports_its_own_version_when_another_writer_follows_at_once(
+    spark_ledger: Callable[..., Any], clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version a commit reports moves Redis's watermark: it must be the commit that
+    carries this batch's txn, found by its tag, not the newest one."""
+    from idem.ledger.spark_engine import SparkDeltaLedger
+
+    ours, theirs = spark_ledger(), spark_ledger()
+    commit(ours, ["seed"], clock, app="seed")
+    real = SparkDeltaLedger._find_commit
+
+    def then_another_writer(self: Any, before: int, tag: str) -> Any:
+        monkeypatch.setattr(SparkDeltaLedger, "_find_commit", real)
+        commit(theirs, ["THEIRS"], clock, app="theirs")
+        return real(self, before, tag)
+
+    monkeypatch.setattr(SparkDeltaLedger, "_find_commit", then_another_writer)
+    result = commit(ours, ["A"], clock, app="ours")
+    assert (result.version, result.inserted, ours.version()) == (1, 1, 2)
+    path = Path(ours.path)
+    entry = parse_commit(1, (path / commit_name(1)).read_bytes())
+    assert entry.transactions == {"ours": 0}
+
+
 def test_version_on_delta_spark_reads_the_log_and_runs_no_spark_job(
     spark: Any, spark_ledger: Callable[..., Any], clock: ManualClock
 ) -> None:
