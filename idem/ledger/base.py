@@ -190,7 +190,10 @@ def delta_spark_missing(session: SparkSession) -> str | None:
             f"spark.sql.catalog.spark_catalog={DELTA_SPARK_CATALOG}, when the session is built)"
         )
     if importlib.util.find_spec("delta") is None:
-        return "the delta-spark package is not installed (pip install 'idem[spark-delta]')"
+        return (
+            "the delta-spark package is not installed "
+            "(pip install 'idem-exactly-once[spark-delta]')"
+        )
     if not _delta_jvm_classes_load(session):
         return (
             "Delta's jars are not on the session's classpath (deploy/jars/fetch.sh fetches "
@@ -279,7 +282,7 @@ def _missing_for_delta_spark() -> str:
         if session is not None:
             return f"a Spark session with Delta, but {delta_spark_missing(session)}"
     return (
-        "an active Spark session with Delta (pip install 'idem[spark-delta]'; Delta's jars "
-        f"from deploy/jars/fetch.sh on the classpath; spark.sql.extensions="
+        "an active Spark session with Delta (pip install 'idem-exactly-once[spark-delta]'; "
+        "Delta's jars from deploy/jars/fetch.sh on the classpath; spark.sql.extensions="
         f"{DELTA_SPARK_EXTENSION}); use engine delta-rs otherwise"
     )

@@ -18,8 +18,8 @@ driver, through the session's Hadoop filesystem), never by a Spark job.
 
 Delta's jars come from Maven Central (``io.delta:delta-spark_2.13``; a
 cluster gets them with ``deploy/jars/fetch.sh`` or ``--packages``); the
-Python side is ``pip install 'idem[spark-delta]'``. ``open_ledger`` chooses
-this engine only for a session checked to run it.
+Python side is ``pip install 'idem-exactly-once[spark-delta]'``. ``open_ledger``
+chooses this engine only for a session checked to run it.
 """
 
 from __future__ import annotations

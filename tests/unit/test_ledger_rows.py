@@ -148,6 +148,6 @@ except ConfigError as exc:
     path, refusal = done.stdout.splitlines()
     assert path == str(Path(config.resolved_ledger_path).absolute())
     assert refusal.startswith("engine: delta-spark needs an active Spark session with Delta")
-    assert "pip install 'idem[spark-delta]'" in refusal
+    assert "pip install 'idem-exactly-once[spark-delta]'" in refusal
     assert "deploy/jars/fetch.sh" in refusal
     assert "io.delta.sql.DeltaSparkSessionExtension" in refusal

@@ -23,6 +23,7 @@ from idem.extras import DISTRIBUTION
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().relative_to(ROOT).as_posix()
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 
 # Run in a child Python: the import system refuses pyspark as if it were not installed.
@@ -152,3 +153,17 @@ def test_every_package_directory_is_in_the_wheels_package_list() -> None:
         "setuptools"
     ]
     assert sorted(setuptools["packages"]) == sorted(on_disk)
+
+
+def test_install_commands_name_the_distribution_not_the_import_name() -> None:
+    """``pip install 'idem[...]'`` would install PyPI's unrelated ``idem`` package."""
+    found = subprocess.run(
+        # this file spells the wrong form on purpose
+        ["git", "-C", str(ROOT), "grep", "-nE", r"(^|[^-\w.])idem\[", "--", ".", f":!{HERE}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode > 1:  # not a git checkout: nothing to compare against
+        pytest.skip(f"git grep failed: {found.stderr.strip()}")
+    assert found.stdout == "", f"use '{DISTRIBUTION}[extra]':\n{found.stdout}"
