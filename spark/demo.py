@@ -155,7 +155,7 @@ def run_demo(
     orders: int = 600,
     files: int = 6,
     crash_after_batch: int | None = 2,
-    engine: LedgerEngine | str = LedgerEngine.AUTO,
+    engine: LedgerEngine = LedgerEngine.AUTO,
     jars: Sequence[str] = (),
     out: TextIO | None = None,
 ) -> DemoResult:

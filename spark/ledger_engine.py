@@ -124,4 +124,6 @@ def _extension_on(spark: SparkSession) -> bool:
 def _class_loadable(spark: SparkSession, name: str) -> bool:
     """Whether the driver's JVM finds class ``name`` where Spark looks for its plugins."""
     jvm = spark.sparkContext._jvm
+    if jvm is None:  # a stopped context
+        return False
     return bool(jvm.org.apache.spark.util.Utils.classIsLoadable(name))
