@@ -1,4 +1,4 @@
-"""Rows fitted to the sink table's column types before they are written (DESIGN §5).
+"""Rows fitted to the sink table's column types before they are written.
 
 A Delta sink table keeps the types its first batch gave it. A later row whose value
 does not fit (``'abc'`` for a double column, a bigint past an int column's range, a null

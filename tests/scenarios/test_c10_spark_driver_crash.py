@@ -1,4 +1,4 @@
-"""C10: Spark replays a micro-batch after a driver crash (DESIGN §4).
+"""C10: Spark replays a micro-batch after a driver crash.
 
 ``idem run`` is killed with SIGKILL — at chosen crash points inside a batch
 (``IDEM_SPARK_KILL_AT``: after the claim, after the sink, after the commit,
