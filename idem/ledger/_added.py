@@ -18,7 +18,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from idem.errors import LedgerError
 from idem.ledger import _log
 from idem.ledger.schema import INDEX_SCHEMA, to_index_rows
 
@@ -26,6 +28,7 @@ SKIPPED_OPERATIONS = frozenset({"OPTIMIZE", "VACUUM START", "VACUUM END"})
 """Operations that add no keys (compaction rewrites keys already added)."""
 
 _INDEX_COLUMNS = ("bucket", "key", "fingerprint", "completed_at")
+_INDEX_FILE_COLUMNS = ("key", "fingerprint", "completed_at")
 
 DEFAULT_MAX_ROWS = 500_000
 """Index rows kept of the data files read, and as many of own appends (~50 MB each)."""
@@ -147,3 +150,49 @@ class AddedKeys:
         with self._lock:
             for old in [v for v in self._entries if v <= version]:
                 del self._entries[old]
+
+
+def read_commit(store: _log.LogStore, uri: str, version: int) -> _log.CommitEntry:
+    """Commit ``version`` of the table at ``uri``; :class:`~idem.ledger._log.HistoryGone`
+    when its file was cleaned up, :class:`LedgerError` when it cannot be read."""
+    try:
+        data = store.read_bytes(_log.commit_name(version))
+    except FileNotFoundError:
+        raise _log.HistoryGone(f"commit {version}") from None
+    except OSError as exc:
+        raise LedgerError(f"ledger {uri}: cannot read commit {version}: {exc}") from exc
+    return _log.parse_commit(version, data)
+
+
+def read_index_file(store: _log.LogStore, uri: str, added: _log.AddedFile) -> pa.Table:
+    """The index rows of one data file (bucket from its partition value);
+    :class:`~idem.ledger._log.HistoryGone` when it was vacuumed."""
+    try:
+        data = store.read_parquet(added.path, _INDEX_FILE_COLUMNS)
+    except FileNotFoundError:
+        raise _log.HistoryGone(f"data file {added.path}") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise LedgerError(f"ledger {uri}: cannot read {added.path}: {exc}") from exc
+    bucket = added.partition_values.get("bucket")
+    if bucket is None:
+        raise LedgerError(f"ledger {uri}: file {added.path} has no bucket partition")
+    column = pa.array([int(bucket)] * data.num_rows, pa.int32())
+    return to_index_rows(data.append_column("bucket", column))
+
+
+def keys_not_added(
+    store: _log.LogStore, uri: str, entry: _log.CommitEntry, offered: pa.ChunkedArray
+) -> list[str]:
+    """The ``offered`` keys that commit ``entry`` did not add (the ledger had them)."""
+    try:
+        files = [store.read_parquet(f.path, ["key"]) for f in entry.added if f.data_change]
+    except FileNotFoundError as gone:
+        raise LedgerError(f"ledger {uri}: {gone} vanished right after commit") from None
+    except (OSError, pa.ArrowException) as exc:
+        raise LedgerError(f"ledger {uri}: cannot read commit {entry.version}: {exc}") from exc
+    inserted = pa.chunked_array(
+        [chunk.cast(pa.string()) for table in files for chunk in table.column("key").chunks],
+        type=pa.string(),
+    )
+    mask = pc.invert(pc.is_in(offered, value_set=inserted.combine_chunks()))
+    return offered.filter(mask).to_pylist()  # type: ignore[no-any-return]

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
@@ -58,12 +59,24 @@ class AddedFile:
 
 @dataclass(frozen=True)
 class CommitEntry:
-    """The actions of one commit that the ledger cares about."""
+    """The actions of one commit that the ledger cares about.
+
+    ``transactions`` maps each ``txn`` action's ``appId`` to its version;
+    ``user_metadata`` and ``metrics`` come from ``commitInfo`` (``userMetadata``,
+    ``operationMetrics``; delta-spark writes both, delta-rs neither).
+    """
 
     version: int
     operation: str | None
     added: list[AddedFile]
     removed: list[str]
+    transactions: dict[str, int] = field(default_factory=dict)
+    user_metadata: str | None = None
+    metrics: dict[str, str] = field(default_factory=dict)
+
+
+class HistoryGone(Exception):
+    """A commit or data file needed for an incremental read was cleaned up."""
 
 
 def parse_commit(version: int, data: bytes) -> CommitEntry:
@@ -71,6 +84,9 @@ def parse_commit(version: int, data: bytes) -> CommitEntry:
     operation: str | None = None
     added: list[AddedFile] = []
     removed: list[str] = []
+    transactions: dict[str, int] = {}
+    user_metadata: str | None = None
+    metrics: dict[str, str] = {}
     for line in data.splitlines():
         if not line.strip():
             continue
@@ -86,9 +102,22 @@ def parse_commit(version: int, data: bytes) -> CommitEntry:
             )
         elif "remove" in action:
             removed.append(action["remove"]["path"])
+        elif "txn" in action:
+            transactions[str(action["txn"]["appId"])] = int(action["txn"]["version"])
         elif "commitInfo" in action:
-            operation = action["commitInfo"].get("operation")
-    return CommitEntry(version=version, operation=operation, added=added, removed=removed)
+            info = action["commitInfo"]
+            operation = info.get("operation")
+            user_metadata = info.get("userMetadata")
+            metrics = {str(k): str(v) for k, v in (info.get("operationMetrics") or {}).items()}
+    return CommitEntry(
+        version=version,
+        operation=operation,
+        added=added,
+        removed=removed,
+        transactions=transactions,
+        user_metadata=user_metadata,
+        metrics=metrics,
+    )
 
 
 class LogStore(Protocol):
@@ -198,3 +227,50 @@ def latest_commit_listed(names: Iterable[str]) -> int:
     """The highest commit version among ``_delta_log`` file names, ``-1`` if none."""
     versions = [int(name[:20]) for name in names if name.endswith(".json") and name[:20].isdigit()]
     return max(versions, default=-1)
+
+
+REVERIFY_AFTER_MS = 60_000
+"""A remembered table version older than this is checked to still be in the log."""
+
+
+class LogVersion:
+    """A table's current version from its log alone: one existence check of the next
+    commit file per call in the steady state (plus one per commit since the last call).
+
+    Thread-safe. ``now_ms`` is the clock that ages the remembered version.
+    """
+
+    def __init__(self, store: LogStore, now_ms: Callable[[], int], uri: str) -> None:
+        self._store = store
+        self._now_ms = now_ms
+        self._uri = uri
+        self._lock = threading.Lock()
+        self._known = -1
+        self._read_ms = now_ms()
+
+    def read(self) -> int:
+        """The latest version, ``-1`` without a table; :class:`OSError` when the log is
+        unreadable."""
+        with self._lock:
+            version = self._known
+            # Log cleanup may have removed the commits after the one remembered (a
+            # process idle past the log retention): walking on from it would stop
+            # there for good. Its own file tells.
+            stale = version >= 0 and self._now_ms() - self._read_ms > REVERIFY_AFTER_MS
+            if stale and not self._store.exists(commit_name(version)):
+                version = -1
+            if version < 0:
+                version = max(version, checkpoint_hint(self._store))
+            while self._store.exists(commit_name(version + 1)):
+                version += 1
+            if version < 0:
+                # History cleaned without a _last_checkpoint file: list once.
+                version = latest_commit_listed(self._store.list_log())
+            self._known = version
+            self._read_ms = self._now_ms()
+            return version
+
+    def saw(self, version: int) -> None:
+        """``version`` exists (this process just committed it)."""
+        with self._lock:
+            self._known = max(self._known, version)

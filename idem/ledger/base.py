@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig, LedgerEngine
-from idem.errors import ConfigError, LedgerError
+from idem.errors import ConfigError
 from idem.ledger.schema import LedgerIdentity
 
 if TYPE_CHECKING:
@@ -27,14 +28,10 @@ if TYPE_CHECKING:
 
 DELTA_SPARK_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 """What ``spark.sql.extensions`` must name for the delta-spark engine."""
-
-EngineName = Literal["auto", "deltars", "spark"]
-
-_ENGINE_OF_CONFIG: dict[LedgerEngine, EngineName] = {
-    LedgerEngine.AUTO: "auto",
-    LedgerEngine.DELTA_RS: "deltars",
-    LedgerEngine.DELTA_SPARK: "spark",
-}
+DELTA_SPARK_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+"""What ``spark.sql.catalog.spark_catalog`` should be for the delta-spark engine."""
+DELTA_SPARK_CLASS = "io.delta.tables.DeltaTable"
+"""A class of Delta's jars: when it loads, they are on the session's classpath."""
 
 
 @dataclass(frozen=True)
@@ -166,28 +163,64 @@ class Ledger(Protocol):
 
 
 def spark_delta_session() -> SparkSession | None:
-    """The active Spark session if it has Delta's extension and delta-spark is installed.
+    """The active Spark session, if it was checked to run the delta-spark engine.
 
-    Never imports pyspark itself: when nothing imported it, there is no session.
+    That is: ``spark.sql.extensions`` names Delta's extension, the delta-spark
+    package is importable, and Delta's JVM classes load in that session (probed
+    once per SparkContext). Never imports pyspark itself: when nothing imported
+    it, there is no session.
     """
     if "pyspark" not in sys.modules:
         return None
     from pyspark.sql import SparkSession  # noqa: PLC0415 -- only once pyspark is loaded
 
     session = SparkSession.getActiveSession()
-    if session is None:
-        return None
-    extensions = session.conf.get("spark.sql.extensions", "") or ""
-    if DELTA_SPARK_EXTENSION not in extensions:
-        return None
-    if importlib.util.find_spec("delta") is None:  # delta-spark, an optional extra
+    if session is None or delta_spark_missing(session):
         return None
     return session
 
 
+def delta_spark_missing(session: SparkSession) -> str | None:
+    """What ``session`` lacks to run the delta-spark engine, and how to get it (``None``:
+    nothing)."""
+    extensions = session.conf.get("spark.sql.extensions", "") or ""
+    if DELTA_SPARK_EXTENSION not in extensions:
+        return (
+            f"spark.sql.extensions does not name {DELTA_SPARK_EXTENSION} (set it, and "
+            f"spark.sql.catalog.spark_catalog={DELTA_SPARK_CATALOG}, when the session is built)"
+        )
+    if importlib.util.find_spec("delta") is None:
+        return "the delta-spark package is not installed (pip install 'idem[spark-delta]')"
+    if not _delta_jvm_classes_load(session):
+        return (
+            "Delta's jars are not on the session's classpath (deploy/jars/fetch.sh fetches "
+            "them; pass them with --jars, or use --packages io.delta:delta-spark_2.13)"
+        )
+    return None
+
+
+_JVM_PROBES: dict[str, bool] = {}
+_JVM_PROBES_LOCK = threading.Lock()
+
+
+def _delta_jvm_classes_load(session: SparkSession) -> bool:
+    """Whether Delta's classes load in the session's JVM; asked once per SparkContext."""
+    context = session.sparkContext
+    key = f"{context.applicationId}@{context.startTime}"
+    with _JVM_PROBES_LOCK:
+        known = _JVM_PROBES.get(key)
+        if known is None:
+            from py4j.java_gateway import JavaClass  # noqa: PLC0415 -- comes with pyspark
+
+            jvm = session._jvm
+            known = isinstance(getattr(jvm, DELTA_SPARK_CLASS), JavaClass)
+            _JVM_PROBES[key] = known
+    return known
+
+
 def open_ledger(
     config: IdemConfig,
-    engine: EngineName | None = None,
+    engine: LedgerEngine | str | None = None,
     *,
     clock: Clock = SYSTEM_CLOCK,
     storage_options: dict[str, str] | None = None,
@@ -195,17 +228,22 @@ def open_ledger(
 ) -> Ledger:
     """The ledger of ``config.group`` at ``config.resolved_ledger_path``.
 
-    ``engine`` overrides ``config.engine``. ``auto`` picks delta-spark when the
-    active Spark session has Delta's extension, otherwise delta-rs (``deltars``),
-    which needs no JVM jars.
+    ``engine`` (``auto``, ``delta-rs``, ``delta-spark``) overrides
+    ``config.engine``. ``auto`` picks delta-spark when the active Spark session
+    was checked to run it (:func:`spark_delta_session`), otherwise delta-rs,
+    which needs no JVM jars. ``delta-spark`` without such a session is a
+    :class:`ConfigError` naming what is missing. A table written by the other
+    engine is refused when it is opened.
     """
-    if engine is None:
-        engine = _ENGINE_OF_CONFIG[config.engine]
-    if engine not in ("auto", "deltars", "spark"):
-        raise ConfigError(f"engine: {engine!r} is not one of auto, deltars, spark")
+    try:
+        chosen = LedgerEngine(config.engine if engine is None else engine)
+    except ValueError:
+        allowed = ", ".join(e.value for e in LedgerEngine)
+        raise ConfigError(f"engine: {engine!r} is not one of {allowed}") from None
+    identity = LedgerIdentity(config.group, config.buckets)
     # Strict mode matches against the whole window; index mode passes the lease horizon.
     window_ms = config.dedup_window_ms
-    if engine in ("auto", "spark"):
+    if chosen is not LedgerEngine.DELTA_RS:
         session = spark_delta_session()
         if session is not None:
             from idem.ledger.spark_engine import SparkDeltaLedger  # noqa: PLC0415 -- needs JVM
@@ -215,14 +253,11 @@ def open_ledger(
                 config.resolved_ledger_path,
                 clock=clock,
                 dedup_window_ms=window_ms,
+                identity=identity,
                 **engine_options,
             )
-        if engine == "spark":
-            raise LedgerError(
-                "engine='spark' needs an active SparkSession whose spark.sql.extensions "
-                f"includes {DELTA_SPARK_EXTENSION} and the delta-spark package "
-                "(pip install 'idem[spark-delta]'); use engine='deltars' otherwise"
-            )
+        if chosen is LedgerEngine.DELTA_SPARK:
+            raise ConfigError(f"engine: delta-spark needs {_missing_for_delta_spark()}")
     from idem.ledger.deltars import DeltaLedger  # noqa: PLC0415 -- deltars imports this module
 
     return DeltaLedger(
@@ -230,6 +265,21 @@ def open_ledger(
         storage_options=storage_options,
         clock=clock,
         dedup_window_ms=window_ms,
-        identity=LedgerIdentity(config.group, config.buckets),
+        identity=identity,
         **engine_options,
+    )
+
+
+def _missing_for_delta_spark() -> str:
+    """Why there is no session to run delta-spark in, and how to get one."""
+    if "pyspark" in sys.modules:
+        from pyspark.sql import SparkSession  # noqa: PLC0415 -- only once pyspark is loaded
+
+        session = SparkSession.getActiveSession()
+        if session is not None:
+            return f"a Spark session with Delta, but {delta_spark_missing(session)}"
+    return (
+        "an active Spark session with Delta (pip install 'idem[spark-delta]'; Delta's jars "
+        f"from deploy/jars/fetch.sh on the classpath; spark.sql.extensions="
+        f"{DELTA_SPARK_EXTENSION}); use engine delta-rs otherwise"
     )

@@ -4,6 +4,10 @@
 hole of DESIGN §1) and exits 1 when there are any, so a cron job can alert;
 ``expire --older-than 30d`` deletes whole days older than that and vacuums;
 ``compact`` merges the small per-batch files of past days.
+
+These run with delta-rs, in this process. A ledger written by delta-spark is
+refused, naming what to run instead: its writes (expire, compact) belong to
+its own engine, in a Spark job with Delta's jars.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from typing import Any
 
 from idem.cli_args import check_table_path, non_negative_int, path_flag, with_ledger_buckets
 from idem.clock import SYSTEM_CLOCK
-from idem.config import IdemConfig, parse_duration_ms
+from idem.config import IdemConfig, LedgerEngine, parse_duration_ms
 from idem.errors import ConfigError
-from idem.ledger.base import open_ledger
+from idem.ledger.base import Ledger, open_ledger
 
 _CONFIG_OPTIONS = ("group", "data_dir", "ledger_path")
 
@@ -31,8 +35,23 @@ def _config(args: argparse.Namespace) -> IdemConfig:
     return with_ledger_buckets(config)
 
 
+def _open(config: IdemConfig, command: str, call: str) -> Ledger:
+    """The ledger, opened with delta-rs; refused when delta-spark writes it."""
+    from idem.ledger.deltars import recorded_engine  # noqa: PLC0415 -- delta-rs is heavy
+
+    path = config.resolved_ledger_path
+    writer = recorded_engine(path)
+    if writer is not None and writer != LedgerEngine.DELTA_RS.value:
+        raise ConfigError(
+            f"ledger_path: the ledger at {path} is written by {writer}; `idem ledger "
+            f"{command}` runs delta-rs. Run it from a Spark job with Delta's jars instead: "
+            f"idem.ledger.open_ledger(config, {writer!r}).{call}"
+        )
+    return open_ledger(config, LedgerEngine.DELTA_RS)
+
+
 def _version(args: argparse.Namespace) -> int:
-    ledger = open_ledger(_config(args), engine="deltars")
+    ledger = _open(_config(args), "version", "version()")
     print(json.dumps({"path": ledger.path, "version": ledger.version()}))
     return 0
 
@@ -41,7 +60,7 @@ def _audit(args: argparse.Namespace) -> int:
     since = None  # checked first: a bad flag is an error even where there is no ledger
     if args.since is not None:
         since = SYSTEM_CLOCK.now_ms() - parse_duration_ms(args.since, setting="--since")
-    ledger = open_ledger(_config(args), engine="deltars")
+    ledger = _open(_config(args), "audit", "audit(since_ms=...)")
     if ledger.version() < 0:  # a mistyped --data-dir should not read as a clean audit
         print(f"idem ledger audit: no ledger at {ledger.path} yet (nothing completed there)")
         return 0
@@ -60,7 +79,7 @@ def _expire(args: argparse.Namespace) -> int:
             f"--older-than: {args.older_than} is inside the dedup window "
             f"({config.dedup_window_ms} ms); a Redis rebuild would miss those keys"
         )
-    ledger = open_ledger(config, engine="deltars")
+    ledger = _open(config, "expire", "expire(older_than_ms, vacuum_retention_hours=...)")
     deleted = ledger.expire(
         SYSTEM_CLOCK.now_ms() - older, vacuum_retention_hours=args.vacuum_retention_hours
     )
@@ -69,7 +88,7 @@ def _expire(args: argparse.Namespace) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    ledger = open_ledger(_config(args), engine="deltars")
+    ledger = _open(_config(args), "compact", "compact()")
     result = ledger.compact()
     print(json.dumps({"files_removed": result.files_removed, "files_added": result.files_added}))
     return 0

@@ -58,15 +58,18 @@ from tenacity import (
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log, _sql
-from idem.ledger._added import AddedKeys
+from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
     PARTITION_COLUMNS,
     LedgerIdentity,
+    check_ledger_table,
     conform,
     date_of_ms,
+    describe_ledger,
     first_per_key,
+    recorded_writer,
     to_index_rows,
 )
 
@@ -80,7 +83,7 @@ DEFAULT_MAX_ATTEMPTS = 8
 _APPEND_RACES = 16
 """Appends that lose the race for a version before the commit backs off (then retries)."""
 
-REVERIFY_AFTER_MS = 60_000
+REVERIFY_AFTER_MS = _log.REVERIFY_AFTER_MS
 """A remembered table version older than this is checked to still be in the log."""
 _MAX_CHECKED_VERSIONS = 64
 """More versions than this since the claim: MERGE on the recent rows instead of reading them."""
@@ -93,7 +96,8 @@ WRITER_PROPERTIES = WriterProperties(
 (nearly) all different. The Parquet writer would build a dictionary for them and give
 it up again; skipping that halves the write of a 100k-row batch (``bench/spark_batch.py``)."""
 
-_INDEX_FILE_COLUMNS = ("key", "fingerprint", "completed_at")
+ENGINE = "delta-rs"
+"""What this engine records in the table's ``idem.engine`` property."""
 
 
 def recorded_identity(
@@ -108,8 +112,15 @@ def recorded_identity(
     return LedgerIdentity.of(table.metadata().description)
 
 
-class _HistoryGone(Exception):
-    """A commit or data file needed for an incremental read was cleaned up."""
+def recorded_engine(uri: str, *, storage_options: dict[str, str] | None = None) -> str | None:
+    """The engine that writes the ledger at ``uri`` (its ``idem.engine`` property; ``None``:
+    no table there, or one that does not record it)."""
+    try:
+        table = DeltaTable(uri, storage_options=storage_options)
+    except TableNotFoundError:
+        return None
+    metadata = table.metadata()
+    return recorded_writer(metadata.description, metadata.configuration)
 
 
 class DeltaLedger:
@@ -147,9 +158,7 @@ class DeltaLedger:
         self._store = _log.open_log_store(self._uri, storage_options)
         self._table: DeltaTable | None = None
         self._table_lock = threading.RLock()
-        self._version_lock = threading.Lock()
-        self._known_version = -1
-        self._version_read_ms = self._clock.now_ms()
+        self._log = _log.LogVersion(self._store, self._clock.now_ms, self._uri)
         self._added = AddedKeys(self._read_commit, self._read_index_file)
         self._identity = identity
 
@@ -178,31 +187,10 @@ class DeltaLedger:
         return version
 
     def _log_version(self) -> int:
-        with self._version_lock:
-            try:
-                version = self._known_version
-                # Log cleanup may have removed the commits after the one remembered (a
-                # process idle past the log retention): walking on from it would stop
-                # there for good. Its own file tells.
-                stale = version >= 0 and self._remembered_for_long()
-                if stale and not self._store.exists(_log.commit_name(version)):
-                    version = -1
-                if version < 0:
-                    version = max(version, _log.checkpoint_hint(self._store))
-                while self._store.exists(_log.commit_name(version + 1)):
-                    version += 1
-                if version < 0:
-                    # History cleaned without a _last_checkpoint file: list once.
-                    version = _log.latest_commit_listed(self._store.list_log())
-            except OSError as exc:
-                raise LedgerError(f"ledger {self._uri}: cannot read the log: {exc}") from exc
-            self._known_version = version
-            self._version_read_ms = self._clock.now_ms()
-            return version
-
-    def _remembered_for_long(self) -> bool:
-        """Whether the remembered version was last read a while ago (``REVERIFY_AFTER_MS``)."""
-        return self._clock.now_ms() - self._version_read_ms > REVERIFY_AFTER_MS
+        try:
+            return self._log.read()
+        except OSError as exc:
+            raise LedgerError(f"ledger {self._uri}: cannot read the log: {exc}") from exc
 
     # -- commit ----------------------------------------------------------------
 
@@ -402,15 +390,9 @@ class DeltaLedger:
         """Source keys that our commit at ``version`` did not add (the ledger had them)."""
         try:
             entry = self._read_commit(version)
-            files = [self._read_index_file(f) for f in entry.added if f.data_change]
-        except _HistoryGone as gone:
+        except _log.HistoryGone as gone:
             raise LedgerError(f"ledger {self._uri}: {gone} vanished right after commit") from None
-        inserted = pa.chunked_array(
-            [chunk for table in files for chunk in table.column("key").chunks], type=pa.string()
-        )
-        keys = source.column("key")
-        mask = pc.invert(pc.is_in(keys, value_set=inserted.combine_chunks()))
-        return keys.filter(mask).to_pylist()  # type: ignore[no-any-return]
+        return keys_not_added(self._store, self._uri, entry, source.column("key"))
 
     # -- reading what was missed -------------------------------------------------
 
@@ -431,7 +413,7 @@ class DeltaLedger:
         current = self.version()
         try:
             keys, files_read = self._added.since(version, current)
-        except _HistoryGone as gone:
+        except _log.HistoryGone as gone:
             log.warning(
                 "ledger %s: %s is gone; the keys added since version %d cannot be read "
                 "incrementally",
@@ -443,26 +425,10 @@ class DeltaLedger:
         return ChangedKeys(since_version=version, version=current, keys=keys, files_read=files_read)
 
     def _read_commit(self, version: int) -> _log.CommitEntry:
-        try:
-            data = self._store.read_bytes(_log.commit_name(version))
-        except FileNotFoundError:
-            raise _HistoryGone(f"commit {version}") from None
-        except OSError as exc:
-            raise LedgerError(f"ledger {self._uri}: cannot read commit {version}: {exc}") from exc
-        return _log.parse_commit(version, data)
+        return read_commit(self._store, self._uri, version)
 
     def _read_index_file(self, added: _log.AddedFile) -> pa.Table:
-        try:
-            data = self._store.read_parquet(added.path, _INDEX_FILE_COLUMNS)
-        except FileNotFoundError:
-            raise _HistoryGone(f"data file {added.path}") from None
-        except (OSError, pa.ArrowException) as exc:
-            raise LedgerError(f"ledger {self._uri}: cannot read {added.path}: {exc}") from exc
-        bucket = added.partition_values.get("bucket")
-        if bucket is None:
-            raise LedgerError(f"ledger {self._uri}: file {added.path} has no bucket partition")
-        column = pa.array([int(bucket)] * data.num_rows, pa.int32())
-        return to_index_rows(data.append_column("bucket", column))
+        return read_index_file(self._store, self._uri, added)
 
     # -- window, lookups, audit ------------------------------------------------------
 
@@ -608,22 +574,16 @@ class DeltaLedger:
         return table
 
     def _check_identity(self, table: DeltaTable) -> None:
-        """Refuse another group's ledger, or this group's with another bucket count."""
-        mine = self._identity
-        found = LedgerIdentity.of(table.metadata().description)
-        if mine is None or found is None:  # not asked, or a ledger older than the record
-            return
-        if found.group != mine.group:
-            raise ConfigError(
-                f"ledger_path: the ledger at {self._uri} belongs to group {found.group!r}, "
-                f"not {mine.group!r}; give each group its own ledger (groups must never "
-                "suppress each other's keys)"
-            )
-        if found.buckets != mine.buckets:
-            raise ConfigError(
-                f"buckets: the ledger at {self._uri} was written with {found.buckets} buckets, "
-                f"not {mine.buckets}; a group's bucket count is fixed once its ledger exists"
-            )
+        """Refuse a table another engine writes, another group's ledger, or this group's
+        with another bucket count."""
+        metadata = table.metadata()
+        check_ledger_table(
+            self._uri,
+            engine=ENGINE,
+            description=metadata.description,
+            properties=metadata.configuration,
+            identity=self._identity,
+        )
 
     def _create_with(self, source: pa.Table, app_id: str, txn_version: int) -> CommitResult:
         """Create the table with the first batch: one commit, version 0, so an index
@@ -636,11 +596,7 @@ class DeltaLedger:
                 partition_by=list(PARTITION_COLUMNS),
                 writer_properties=WRITER_PROPERTIES,
                 name="idem_ledger",
-                description=(
-                    self._identity.describe()
-                    if self._identity is not None
-                    else "idem dedup ledger: one row per completed business key"
-                ),
+                description=describe_ledger(ENGINE, self._identity),
                 storage_options=self._storage_options,
                 commit_properties=CommitProperties(
                     app_transactions=[Transaction(app_id, txn_version)],
@@ -661,8 +617,7 @@ class DeltaLedger:
         return CommitResult(version=0, inserted=source.num_rows)
 
     def _saw_version(self, version: int) -> None:
-        with self._version_lock:
-            self._known_version = max(self._known_version, version)
+        self._log.saw(version)
 
     def _retrying(self, fn: Callable[[], T], *, what: str) -> T:
         retrying = Retrying(

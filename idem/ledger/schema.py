@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from idem.errors import LedgerError
+from idem.errors import ConfigError, LedgerError
 
 PARTITION_COLUMNS: tuple[str, ...] = ("bucket", "completed_date")
 """Ledger partition columns, outermost first."""
@@ -170,7 +170,10 @@ def make_rows(
 
 def to_index_rows(table: pa.Table) -> pa.Table:
     """``bucket, key, fingerprint, completed_at`` rows as :data:`INDEX_SCHEMA`."""
-    micros = _as(table.column("completed_at"), pa.int64())
+    completed = table.column("completed_at")
+    if pa.types.is_timestamp(completed.type) and completed.type.unit != "us":
+        completed = pc.cast(completed, pa.timestamp("us", tz="UTC"))  # Spark writes INT96 (ns)
+    micros = _as(completed, pa.int64())
     return pa.Table.from_arrays(
         [
             _as(table.column("bucket"), pa.int32()),
@@ -219,13 +222,6 @@ class LedgerIdentity:
     group: str
     buckets: int
 
-    def describe(self) -> str:
-        """The table description that records this identity."""
-        return (
-            "idem dedup ledger: one row per completed business key "
-            f"[group={json.dumps(self.group)} buckets={self.buckets}]"
-        )
-
     @classmethod
     def of(cls, description: str | None) -> LedgerIdentity | None:
         """The identity a table description records (``None``: an older ledger's)."""
@@ -236,3 +232,65 @@ class LedgerIdentity:
 
 
 _IDENTITY = re.compile(r'\[group=(?P<group>"(?:[^"\\]|\\.)*") buckets=(?P<buckets>\d+)\]$')
+
+
+ENGINE_PROPERTY = "idem.engine"
+"""The table property naming the engine that writes the ledger (``delta-rs``, ``delta-spark``).
+
+delta-spark sets it; delta-rs cannot create a table with a property outside Delta's own
+in the same commit, so the engine is also in the table description, which both set."""
+
+_ENGINE_NOTE = re.compile(r"\(written by (?P<engine>[a-z-]+)\)")
+
+
+def describe_ledger(engine: str, identity: LedgerIdentity | None) -> str:
+    """The description a new ledger table gets: its writer engine and identity."""
+    text = f"idem dedup ledger (written by {engine}): one row per completed business key"
+    if identity is None:
+        return text
+    return f"{text} [group={json.dumps(identity.group)} buckets={identity.buckets}]"
+
+
+def recorded_writer(description: str | None, properties: Mapping[str, str | None]) -> str | None:
+    """The engine a table records as its writer (``None``: it records none)."""
+    writer = properties.get(ENGINE_PROPERTY)
+    if writer:
+        return writer
+    found = _ENGINE_NOTE.search(description or "")
+    return None if found is None else found.group("engine")
+
+
+def check_ledger_table(
+    uri: str,
+    *,
+    engine: str,
+    description: str | None,
+    properties: Mapping[str, str | None],
+    identity: LedgerIdentity | None,
+) -> None:
+    """Refuse a table written by another engine, another group's ledger, or this group's
+    with another bucket count (what the table's description and properties record).
+
+    A table that records no engine or no identity (made before they were recorded) is
+    accepted.
+    """
+    writer = recorded_writer(description, properties)
+    if writer and writer != engine:
+        raise ConfigError(
+            f"engine: the ledger at {uri} is written by {writer}, not {engine}; one table "
+            f"has one writer engine: open it with engine={writer!r} (IDEM_ENGINE={writer})"
+        )
+    found = LedgerIdentity.of(description)
+    if identity is None or found is None:  # not asked, or a ledger older than the record
+        return
+    if found.group != identity.group:
+        raise ConfigError(
+            f"ledger_path: the ledger at {uri} belongs to group {found.group!r}, "
+            f"not {identity.group!r}; give each group its own ledger (groups must never "
+            "suppress each other's keys)"
+        )
+    if found.buckets != identity.buckets:
+        raise ConfigError(
+            f"buckets: the ledger at {uri} was written with {found.buckets} buckets, "
+            f"not {identity.buckets}; a group's bucket count is fixed once its ledger exists"
+        )

@@ -1,52 +1,83 @@
-"""The delta-spark ledger engine, for clusters whose Spark session has Delta's jars.
+"""The delta-spark ledger engine, for Spark sessions that carry Delta's jars.
 
-Same contract as :class:`~idem.ledger.deltars.DeltaLedger`, written with
-``DeltaTable.forPath(...).merge(...)``. Exactly-once per batch uses Delta's
-idempotent DML: the session confs ``spark.databricks.delta.write.txnAppId`` /
-``txnVersion`` (Delta >= 2.3, delta-io/delta#1555) make Delta skip a MERGE
-whose ``(appId, version)`` it already committed. Each commit is tagged in
-``userMetadata`` so we can tell a skipped (replayed) batch from ours.
+Same contract as :class:`~idem.ledger.deltars.DeltaLedger`, written by Spark:
+a batch is one insert-only ``MERGE`` on ``(bucket, key)``, restricted to the
+recent rows of the target (``completed_date`` partitions and ``completed_at``
+statistics prune the rest). Exactly-once per batch uses Delta's idempotent
+writes: the session confs ``spark.databricks.delta.write.txnAppId`` /
+``txnVersion`` make Delta skip a write whose ``(appId, version)`` it already
+committed. Those confs belong to a session, so every write runs in its own
+clone of the caller's session (its settings and credentials, its own conf):
+two ledgers committing at once, or the application's own Delta writes in
+its session, never pick up another write's txn ids. A unique ``userMetadata``
+tag finds the commit in the log afterwards (none: Delta skipped a replay).
 
-Maven Central is unreachable where idem is built, so this module is exercised
-only where a Delta-enabled session exists; it is imported lazily and chosen by
-``open_ledger`` only when ``spark.sql.extensions`` names Delta's extension.
+What a commit inserted, the table's version, and the keys later versions
+added are read from ``_delta_log`` and the added files directly (on the
+driver, through the session's Hadoop filesystem), never by a Spark job.
+
+Delta's jars come from Maven Central (``io.delta:delta-spark_2.13``; a
+cluster gets them with ``deploy/jars/fetch.sh`` or ``--packages``); the
+Python side is ``pip install 'idem[spark-delta]'``. ``open_ledger`` chooses
+this engine only for a session checked to run it.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import random
 import threading
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import uuid
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.errors import LedgerConflict, LedgerError
+from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log
+from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
+from idem.ledger._hadoop import open_spark_log_store
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
+    ENGINE_PROPERTY,
     INDEX_SCHEMA,
     PARTITION_COLUMNS,
+    LedgerIdentity,
+    check_ledger_table,
     conform,
     date_of_ms,
     datetime_of_ms,
+    describe_ledger,
+    first_per_key,
     to_index_rows,
 )
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+T = TypeVar("T")
+
+ENGINE = "delta-spark"
+"""What this engine records as the table's writer."""
+
 _TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
 _TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 _AUTO_MERGE = "spark.databricks.delta.schema.autoMerge.enabled"
+_RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
+_DELTA_DEFAULT_RETENTION_HOURS = 168
 
 
 class SparkDeltaLedger:
-    """The ledger table at ``path``, written by delta-spark through ``spark``."""
+    """The ledger table at ``path``, written by delta-spark through ``spark``.
+
+    ``dedup_window_ms`` bounds strict-mode matching; ``identity`` (group and
+    bucket count) is recorded when the table is created and checked when one is
+    found. One instance may be shared by threads; instances coordinate through
+    Delta's optimistic concurrency, like separate processes.
+    """
 
     def __init__(
         self,
@@ -56,33 +87,73 @@ class SparkDeltaLedger:
         clock: Clock = SYSTEM_CLOCK,
         dedup_window_ms: int | None = None,
         max_attempts: int = 8,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+        identity: LedgerIdentity | None = None,
     ) -> None:
+        if max_attempts < 1:
+            raise LedgerError(f"max_attempts: {max_attempts} must be at least 1")
         # delta-spark is an optional extra (and needs Delta's jars): imported here only.
-        self._spark = spark
         self._delta: Any = importlib.import_module("delta.tables").DeltaTable
-        self._path = path
+        self._spark = spark
+        self._path, self._store = open_spark_log_store(spark, path)
         self._clock = clock
         self._dedup_window_ms = dedup_window_ms
         self._max_attempts = max_attempts
-        # Session confs carry the txn ids: one commit at a time per session.
-        self._lock = threading.Lock()
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._identity = identity
+        self._log = _log.LogVersion(self._store, clock.now_ms, self._path)
+        self._added = AddedKeys(self._read_commit, self._read_index_file)
+        self._checked = False
+        self._check_lock = threading.Lock()
+        self._types: tuple[int, pa.Schema] | None = None
 
     @property
     def path(self) -> str:
-        """The table's location."""
+        """The table's location (absolute for local tables)."""
         return self._path
 
-    def _table(self) -> Any:
-        return self._delta.forPath(self._spark, self._path)
+    def __repr__(self) -> str:
+        return f"SparkDeltaLedger({self._path!r})"
 
-    def _exists(self) -> bool:
-        return bool(self._delta.isDeltaTable(self._spark, self._path))
+    # -- version ---------------------------------------------------------------
 
     def version(self) -> int:
-        """The latest version from ``history(1)``; ``-1`` without a table."""
-        if not self._exists():
-            return -1
-        return int(self._table().history(1).select("version").head()[0])
+        """The current table version (``-1``: no table), from the log alone: one existence
+        check of the next commit file in the steady state. The first call that finds a
+        table checks whose it is and which engine writes it."""
+        try:
+            version = self._log.read()
+        except OSError as exc:
+            raise LedgerError(f"ledger {self._path}: cannot read the log: {exc}") from exc
+        if version >= 0 and not self._checked:
+            self._check_table()
+        return version
+
+    def _check_table(self) -> None:
+        with self._check_lock:
+            if self._checked:
+                return
+            try:
+                detail = (
+                    self._delta.forPath(self._spark, self._path)
+                    .detail()
+                    .select("description", "properties")
+                    .head()
+                )
+            except Exception as exc:  # Py4J / Spark errors have no common base
+                raise LedgerError(f"ledger {self._path}: cannot read the table: {exc}") from exc
+            check_ledger_table(
+                self._path,
+                engine=ENGINE,
+                description=detail["description"],
+                properties=dict(detail["properties"] or {}),
+                identity=self._identity,
+            )
+            self._checked = True
+
+    # -- commit ----------------------------------------------------------------
 
     def commit(
         self,
@@ -93,141 +164,218 @@ class SparkDeltaLedger:
         match_since_ms: int | None,
         match_after_version: int | None = None,
     ) -> CommitResult:
-        """Insert-only MERGE on ``(bucket, key)`` restricted to recent rows, once per txn.
+        """Insert the ``rows`` whose key the ledger lacks, once per ``(app_id, txn_version)``.
 
-        ``match_after_version`` is not used: this engine always MERGEs.
+        One insert-only MERGE on ``(bucket, key)`` restricted to rows completed
+        at or after ``match_since_ms`` (``None``: the dedup window, strict
+        mode); ``match_after_version`` is not used (this engine always MERGEs).
+        The first commit creates the table with its rows (version 0). Keys
+        offered but not inserted are ``already_present``, read from the very
+        commit that skipped them. Columns the ledger does not know are added to
+        the table. Conflicts with concurrent writers are retried (bounded,
+        jittered) and then raise :class:`LedgerConflict`.
         """
-        conflicts = _conflict_exceptions()
+        if not app_id:
+            raise LedgerError("app_id: must be a non-empty string")
+        if txn_version < 0:
+            raise LedgerError(f"txn_version: {txn_version} must be >= 0")
         now = self._clock.now_ms()
-        table = conform(rows, now_ms=now)
+        source, batch_duplicates = first_per_key(conform(rows, now_ms=now))
+        if source.num_rows == 0:
+            return CommitResult(version=None, inserted=0)
         since = match_since_ms
         if since is None and self._dedup_window_ms is not None:
             since = now - self._dedup_window_ms
-        tag = json.dumps({"idem": app_id, "txn": txn_version})
-        # PySpark >= 4 takes a pyarrow Table directly.
-        source = self._spark.createDataFrame(table).dropDuplicates(["bucket", "key"])
+        self.version()  # whose table it is, before anything is written into it
+        session = self._write_session(
+            {_TXN_APP_ID: app_id, _TXN_VERSION: str(txn_version), _AUTO_MERGE: "true"}
+        )
+        frame = session.createDataFrame(source)  # the batch's one trip into the JVM
         condition = "t.bucket = s.bucket AND t.key = s.key"
         if since is not None:
-            condition += (
-                f" AND t.completed_date >= DATE'{date_of_ms(since).isoformat()}'"
-                f" AND t.completed_at >= TIMESTAMP'{datetime_of_ms(since).isoformat()}'"
+            condition += " AND " + _recent_sql(since, alias="t")
+        attempts = 0
+
+        def attempt() -> _log.CommitEntry | None:
+            nonlocal attempts
+            attempts += 1
+            before = self.version()
+            if before < 0:
+                return self._tagged(session, before, lambda: self._create(frame), creating=True)
+            return self._tagged(
+                session,
+                before,
+                lambda: (
+                    self._delta.forPath(session, self._path)
+                    .alias("t")
+                    .merge(frame.alias("s"), condition)
+                    .whenNotMatchedInsertAll()
+                    .execute()
+                ),
             )
-        last_error: BaseException | None = None
-        for attempt in range(1, self._max_attempts + 1):
-            with self._lock:
-                try:
-                    self._create_if_missing(source)
-                    before = self.version()
-                    present = self._present(source, since, before)
-                    self._spark.conf.set(_TXN_APP_ID, app_id)
-                    self._spark.conf.set(_TXN_VERSION, str(txn_version))
-                    self._spark.conf.set(_USER_METADATA, tag)
-                    self._spark.conf.set(_AUTO_MERGE, "true")  # a sink table's own columns
-                    try:
-                        (
-                            self._table()
-                            .alias("t")
-                            .merge(source.alias("s"), condition)
-                            .whenNotMatchedInsertAll()
-                            .execute()
-                        )
-                    finally:
-                        for name in (_TXN_APP_ID, _TXN_VERSION, _USER_METADATA, _AUTO_MERGE):
-                            self._spark.conf.unset(name)
-                    ours = self._find_commit(before, tag)
-                except conflicts as exc:
-                    last_error = exc
-                    self._clock.sleep(random.uniform(0, min(0.05 * 2**attempt, 2.0)))
-                    continue
-                except Exception as exc:  # Py4J / Spark errors have no common base
-                    raise LedgerError(f"ledger {self._path}: commit failed: {exc}") from exc
-            if ours is None:
-                return CommitResult(version=None, inserted=0, replayed=True, attempts=attempt)
-            version, inserted = ours
+
+        ours = self._retrying(attempt, what=f"commit {app_id}/{txn_version}")
+        if ours is None:  # Delta skipped it: that txn was committed before
             return CommitResult(
-                version=version,
-                inserted=inserted,
-                already_present=present,
-                attempts=attempt,
+                version=None,
+                inserted=0,
+                replayed=True,
+                batch_duplicates=batch_duplicates,
+                attempts=attempts,
             )
+        inserted = _inserted(ours)
+        keys = source.column("key")
+        already: list[str] = []
+        fresh = source
+        if inserted == 0:
+            already = keys.to_pylist()
+            fresh = source.slice(0, 0)
+        elif inserted < source.num_rows:
+            already = keys_not_added(self._store, self._path, ours, keys)
+            fresh = source.filter(pc.invert(pc.is_in(keys, value_set=pa.array(already))))
+        self._added.remember_own(ours.version, fresh)
+        return CommitResult(
+            version=ours.version,
+            inserted=inserted,
+            already_present=already,
+            batch_duplicates=batch_duplicates,
+            attempts=attempts,
+        )
+
+    def _create(self, frame: DataFrame) -> None:
+        """The table, created with the first batch in one commit (version 0)."""
+        name = "delta.`" + self._path.replace("`", "``") + "`"
+        (
+            frame.writeTo(name)
+            .using("delta")
+            .partitionedBy(*PARTITION_COLUMNS)
+            .tableProperty(ENGINE_PROPERTY, ENGINE)
+            .tableProperty("comment", describe_ledger(ENGINE, self._identity))
+            .create()
+        )
+
+    def _write_session(self, confs: dict[str, str]) -> SparkSession:
+        """A clone of the caller's session with ``confs`` set: its own conf, so the txn
+        ids of this write reach no other write."""
+        from pyspark.sql import SparkSession  # noqa: PLC0415 -- pyspark is loaded by now
+
+        clone = SparkSession(
+            self._spark.sparkContext,
+            self._spark._jsparkSession.cloneSession(),
+        )
+        for name, value in confs.items():
+            clone.conf.set(name, value)
+        return clone
+
+    def _tagged(
+        self,
+        session: SparkSession,
+        before: int,
+        write: Callable[[], object],
+        *,
+        creating: bool = False,
+    ) -> _log.CommitEntry | None:
+        """Run ``write`` in ``session`` under a fresh tag; the commit it made after
+        ``before`` (``None``: it committed nothing)."""
+        tag = f"idem:{uuid.uuid4().hex}"
+        session.conf.set(_USER_METADATA, tag)
+        try:
+            write()
+        except _conflict_exceptions() as exc:
+            raise _Conflict(str(exc)) from exc
+        except Exception as exc:  # Py4J / Spark errors have no common base
+            if creating and self._log.read() >= 0:
+                # Another writer created the table first: go again, as a MERGE.
+                raise _Conflict(f"the ledger was created concurrently: {exc}") from exc
+            raise LedgerError(f"ledger {self._path}: write failed: {exc}") from exc
+        return self._find_commit(before, tag)
+
+    def _find_commit(self, before: int, tag: str) -> _log.CommitEntry | None:
+        """The commit after ``before`` whose ``userMetadata`` is ``tag``: the log is read
+        forward from ``before`` to its end, whatever other writers committed meanwhile."""
+        version = before + 1
+        while True:
+            try:
+                entry = self._read_commit(version)
+            except _log.HistoryGone:
+                return None
+            if entry.user_metadata == tag:
+                self._log.saw(version)
+                return entry
+            version += 1
+
+    def _retrying(self, fn: Callable[[], T], *, what: str) -> T:
+        last: _Conflict | None = None
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                return fn()
+            except _Conflict as exc:
+                last = exc
+                if attempt < self._max_attempts:
+                    ceiling = min(self._backoff_s * 2**attempt, self._max_backoff_s)
+                    self._clock.sleep(random.uniform(0, ceiling))
         raise LedgerConflict(
-            f"ledger {self._path}: commit {app_id}/{txn_version} still conflicted after "
-            f"{self._max_attempts} attempts: {last_error}"
-        ) from last_error
+            f"ledger {self._path}: {what} still conflicted with concurrent writers after "
+            f"{self._max_attempts} attempts: {last}"
+        ) from last
 
-    def _create_if_missing(self, source: DataFrame) -> None:
-        if not self._exists():
-            source.limit(0).write.format("delta").partitionBy(*PARTITION_COLUMNS).mode(
-                "ignore"
-            ).save(self._path)
-
-    def _present(self, source: DataFrame, since: int | None, version: int) -> list[str]:
-        ledger = self._spark.read.format("delta").option("versionAsOf", version).load(self._path)
-        if since is not None:
-            ledger = ledger.where(
-                f"completed_date >= DATE'{date_of_ms(since).isoformat()}' AND "
-                f"completed_at >= TIMESTAMP'{datetime_of_ms(since).isoformat()}'"
-            )
-        keys = ["bucket", "key"]
-        joined = source.select(*keys).join(ledger.select(*keys), keys)
-        return [row["key"] for row in joined.distinct().collect()]
-
-    def _find_commit(self, before: int, tag: str) -> tuple[int, int] | None:
-        """Our commit after ``before`` (by its tag): ``(version, rows inserted)``."""
-        after = self.version()
-        if after <= before:
-            return None
-        history = self._table().history(after - before).where(f"version > {before}")
-        for row in history.select("version", "userMetadata", "operationMetrics").collect():
-            if row["userMetadata"] == tag:
-                metrics = row["operationMetrics"] or {}
-                return int(row["version"]), int(metrics.get("numTargetRowsInserted", 0))
-        return None
+    # -- reading what was missed -------------------------------------------------
 
     def column_types(self) -> pa.Schema | None:
-        """Not known on this engine: rows that do not fit fail the commit (Spark names it)."""
-        return None
+        """The table's columns as Arrow types (``None`` while there is no table)."""
+        version = self.version()
+        if version < 0:
+            return None
+        cached = self._types
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        from pyspark.sql.pandas.types import to_arrow_schema  # noqa: PLC0415 -- pyspark
+
+        try:
+            schema = self._spark.read.format("delta").load(self._path).schema
+        except Exception as exc:  # Py4J / Spark errors have no common base
+            raise LedgerError(f"ledger {self._path}: cannot read the schema: {exc}") from exc
+        types = to_arrow_schema(schema)
+        self._types = (version, types)
+        return types
 
     def keys_added_since(self, version: int) -> ChangedKeys | None:
-        """Keys added by versions after ``version``: their commit JSONs, then just their files.
+        """Keys added by versions ``(version, current]``, from just the files they added.
 
-        ``None`` when a commit file is gone (log cleanup): rebuild from the window.
+        Compaction only rewrites keys already added, so its files are skipped.
+        ``None`` when a needed commit file was cleaned from the log (or a data
+        file vacuumed): the caller rebuilds from :meth:`window`. Any other
+        failure to read raises :class:`LedgerError`.
         """
+        if version < -1:
+            raise LedgerError(f"version: {version} must be >= -1")
         current = self.version()
-        root = self._path.rstrip("/")
-        files: dict[str, _log.AddedFile] = {}
-        for v in range(version + 1, current + 1):
-            try:  # Hadoop's FileNotFound arrives wrapped by Py4J: no narrower type to catch
-                data = self._spark.sparkContext.wholeTextFiles(f"{root}/{_log.commit_name(v)}")
-                text = data.values().first()
-            except Exception:
-                return None
-            entry = _log.parse_commit(v, text.encode())
-            if entry.operation == "OPTIMIZE":
-                continue
-            for removed in entry.removed:
-                files.pop(removed, None)
-            files.update({a.path: a for a in entry.added if a.data_change})
-        if not files:
-            return ChangedKeys(version, current, INDEX_SCHEMA.empty_table())
-        # Delta lays partitions out Hive-style, so basePath gives back bucket.
-        paths = [f"{root}/{p}" for p in files]
-        frame = (
-            self._spark.read.option("basePath", root)
-            .parquet(*paths)
-            .select("bucket", "key", "fingerprint", "completed_at")
-        )
-        return ChangedKeys(version, current, to_index_rows(frame.toArrow()), len(paths))
+        try:
+            keys, files_read = self._added.since(version, current)
+        except _log.HistoryGone:
+            return None
+        return ChangedKeys(since_version=version, version=current, keys=keys, files_read=files_read)
+
+    def _read_commit(self, version: int) -> _log.CommitEntry:
+        return read_commit(self._store, self._path, version)
+
+    def _read_index_file(self, added: _log.AddedFile) -> pa.Table:
+        return read_index_file(self._store, self._path, added)
+
+    # -- window, lookups, audit ------------------------------------------------------
 
     def window(self, since_ms: int, buckets: Iterable[int] | None = None) -> LedgerWindow:
         """Rows completed since ``since_ms`` (partition-pruned), with the version read."""
         version = self.version()
-        if version < 0:
-            return LedgerWindow(-1, since_ms, INDEX_SCHEMA.empty_table())
+        wanted = None if buckets is None else sorted({int(b) for b in buckets})
+        if version < 0 or wanted == []:
+            return LedgerWindow(version, since_ms, INDEX_SCHEMA.empty_table())
         frame = self._recent(since_ms, version)
-        if buckets is not None:
-            frame = frame.where(frame.bucket.isin(sorted({int(b) for b in buckets})))
-        rows = frame.select("bucket", "key", "fingerprint", "completed_at").toArrow()
+        if wanted is not None:
+            frame = frame.where(frame.bucket.isin(wanted))
+        rows = self._spark_read(
+            lambda: frame.select("bucket", "key", "fingerprint", "completed_at").toArrow()
+        )
         return LedgerWindow(version, since_ms, to_index_rows(rows))
 
     def _recent(self, since_ms: int | None, version: int | None = None) -> DataFrame:
@@ -235,26 +383,34 @@ class SparkDeltaLedger:
         if version is not None:
             reader = reader.option("versionAsOf", version)
         frame = reader.load(self._path)
-        if since_ms is None:
-            return frame
-        return frame.where(
-            f"completed_date >= DATE'{date_of_ms(since_ms).isoformat()}' AND "
-            f"completed_at >= TIMESTAMP'{datetime_of_ms(since_ms).isoformat()}'"
-        )
+        return frame if since_ms is None else frame.where(_recent_sql(since_ms))
+
+    def _spark_read(self, read: Callable[[], T]) -> T:
+        try:
+            return read()
+        except Exception as exc:  # Py4J / Spark errors have no common base
+            raise LedgerError(f"ledger {self._path}: query failed: {exc}") from exc
 
     def _lookup(self, keys: Iterable[str], since_ms: int | None, column: str) -> dict[str, Any]:
         wanted = sorted(set(keys))
-        if not wanted or not self._exists():
+        if not wanted or self.version() < 0:
             return {}
-        probe = self._spark.createDataFrame([(k,) for k in wanted], "key string")
+        probe = self._spark.createDataFrame(pa.table({"key": pa.array(wanted, pa.string())}))
         joined = self._recent(since_ms).join(probe, "key").select("key", column, "completed_at")
+        rows = self._spark_read(joined.toArrow)
         found: dict[str, Any] = {}
-        for row in joined.orderBy("completed_at", ascending=False).collect():
-            found[row["key"]] = row[column]  # newest first, so the earliest row wins
+        newest_first = rows.sort_by([("completed_at", "descending")])
+        pairs = zip(
+            newest_first.column("key").to_pylist(),
+            newest_first.column(column).to_pylist(),
+            strict=True,
+        )
+        for key, value in pairs:
+            found[key] = value  # newest first, so the earliest row wins
         return found
 
     def existing(self, keys: Iterable[str], *, since_ms: int | None) -> dict[str, str]:
-        """``key -> fingerprint`` of keys present (a Spark join, never an IN list)."""
+        """``key -> fingerprint`` of keys present (a Spark join, never an ``IN`` list)."""
         return {k: v or "" for k, v in self._lookup(keys, since_ms, "fingerprint").items()}
 
     def lookup_results(
@@ -268,42 +424,97 @@ class SparkDeltaLedger:
         return {k: v or "" for k, v in self._lookup(keys, since_ms, "owner").items()}
 
     def audit(self, *, since_ms: int | None = None) -> list[tuple[str, int]]:
-        """Keys present more than once, with counts."""
-        if not self._exists():
+        """Keys present more than once, with counts, sorted by key."""
+        if self.version() < 0:
             return []
         counts = self._recent(since_ms).groupBy("bucket", "key").count().where("count > 1")
-        return sorted((r["key"], int(r["count"])) for r in counts.collect())
+        rows = self._spark_read(counts.collect)
+        return sorted((str(r["key"]), int(r["count"])) for r in rows)
+
+    # -- maintenance ---------------------------------------------------------------
 
     def expire(self, older_than_ms: int, *, vacuum_retention_hours: int = 168) -> int:
-        """Delete whole days before ``older_than_ms``'s day, then vacuum."""
-        if not self._exists():
-            return 0
-        table = self._table()
-        table.delete(f"completed_date < DATE'{date_of_ms(older_than_ms).isoformat()}'")
-        metrics = table.history(1).select("operationMetrics").head()[0] or {}
-        table.vacuum(float(vacuum_retention_hours))
-        return int(metrics.get("numDeletedRows", 0))
+        """Delete the days that ended before ``older_than_ms``'s day, then vacuum.
+
+        Whole ``completed_date`` partitions go, so rows of the day containing
+        ``older_than_ms`` stay. Returns the rows deleted. Vacuum removes
+        unreferenced files older than ``vacuum_retention_hours`` (keep it above
+        the longest reader; Delta's default is 168): a shorter one is allowed
+        for this vacuum only, never in the caller's session.
+        """
+        if vacuum_retention_hours < 0:  # checked before anything is deleted
+            raise ConfigError(
+                f"vacuum_retention_hours: {vacuum_retention_hours} must be >= 0 (168 keeps "
+                "the files readers on versions of the past week still need)"
+            )
+        cutoff = date_of_ms(older_than_ms).isoformat()
+        confs = {}
+        if vacuum_retention_hours < _DELTA_DEFAULT_RETENTION_HOURS:
+            confs[_RETENTION_CHECK] = "false"
+        session = self._write_session(confs)
+
+        def attempt() -> int:
+            before = self.version()
+            if before < 0:
+                return 0
+            table = self._delta.forPath(session, self._path)
+            ours = self._tagged(
+                session, before, lambda: table.delete(f"completed_date < DATE'{cutoff}'")
+            )
+            self._tagged(session, before, lambda: table.vacuum(float(vacuum_retention_hours)))
+            return 0 if ours is None else int(ours.metrics.get("numDeletedRows", 0))
+
+        return self._retrying(attempt, what=f"expire before {cutoff}")
 
     def compact(self, *, before_ms: int | None = None) -> CompactResult:
-        """OPTIMIZE the days before ``before_ms`` (default today)."""
-        if not self._exists():
-            return CompactResult(0, 0)
+        """Merge the small files of the days before ``before_ms`` (default: before today)."""
         cutoff = date_of_ms(self._clock.now_ms() if before_ms is None else before_ms)
-        result = (
-            self._table()
-            .optimize()
-            .where(f"completed_date < '{cutoff.isoformat()}'")
-            .executeCompaction()
-            .select("metrics.numFilesRemoved", "metrics.numFilesAdded")
-            .head()
-        )
-        return CompactResult(files_removed=int(result[0]), files_added=int(result[1]))
+        session = self._write_session({})
+
+        def attempt() -> CompactResult:
+            before = self.version()
+            if before < 0:
+                return CompactResult(0, 0)
+            result: list[Any] = []
+            self._tagged(
+                session,
+                before,
+                lambda: result.append(
+                    self._delta.forPath(session, self._path)
+                    .optimize()
+                    .where(f"completed_date < '{cutoff.isoformat()}'")
+                    .executeCompaction()
+                    .select("metrics.numFilesRemoved", "metrics.numFilesAdded")
+                    .head()
+                ),
+            )
+            return CompactResult(files_removed=int(result[0][0]), files_added=int(result[0][1]))
+
+        return self._retrying(attempt, what="compact")
+
+
+class _Conflict(Exception):
+    """A write lost to a concurrent writer: try again."""
+
+
+def _recent_sql(since_ms: int, *, alias: str = "") -> str:
+    """``completed_date >= D AND completed_at >= T`` as Spark SQL (UTC literals)."""
+    prefix = f"{alias}." if alias else ""
+    return (
+        f"{prefix}completed_date >= DATE'{date_of_ms(since_ms).isoformat()}'"
+        f" AND {prefix}completed_at >= TIMESTAMP'{datetime_of_ms(since_ms).isoformat()}'"
+    )
+
+
+def _inserted(entry: _log.CommitEntry) -> int:
+    """Rows a commit inserted: a MERGE's ``numTargetRowsInserted``, a create's rows."""
+    metrics = entry.metrics
+    return int(metrics.get("numTargetRowsInserted", metrics.get("numOutputRows", 0)))
 
 
 def _conflict_exceptions() -> tuple[type[BaseException], ...]:
     """delta-spark's commit-conflict exceptions (no common base class in every version)."""
     delta_errors = importlib.import_module("delta.exceptions")
-
     names = (
         "ConcurrentWriteException",
         "ConcurrentAppendException",

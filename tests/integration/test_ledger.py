@@ -1,14 +1,13 @@
-"""The ledger contract on real Delta tables, for every engine available here.
+"""The ledger contract on real Delta tables, for both engines.
 
-delta-rs always runs. The delta-spark engine needs a Spark session with
-Delta's extension and jars, which this build machine cannot download; its
-parameter skips with the reason (set ``IDEM_REQUIRE_DELTA_SPARK=1`` where the
-jars exist to make a missing session fail instead).
+delta-rs runs in the test process; delta-spark runs in the shared local Spark
+session with Delta's jars (the ``spark`` fixture). Tests of what only one
+engine has (delta-rs' checked append, its log-cleanup handling) take that
+engine directly.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
 from idem.errors import ConfigError
 from idem.keys import bucket_of
-from idem.ledger import DeltaLedger, Ledger, conform, deltars, make_rows, spark_delta_session
+from idem.ledger import DeltaLedger, Ledger, conform, deltars, make_rows
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
 
 pytestmark = pytest.mark.integration
@@ -48,16 +47,7 @@ def make_ledger(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClo
     """A factory of ledgers on one table path (more than one = several writers)."""
     path = str(tmp_path / "ledger")
     if request.param == "spark":
-        session = spark_delta_session()
-        if session is None:
-            reason = (
-                "delta-spark engine: no active SparkSession with "
-                "io.delta.sql.DeltaSparkSessionExtension and the delta-spark package "
-                "(Delta's jars come from Maven, unreachable here)"
-            )
-            if os.environ.get("IDEM_REQUIRE_DELTA_SPARK"):
-                pytest.fail(reason, pytrace=False)
-            pytest.skip(reason)
+        session = request.getfixturevalue("spark")
         from idem.ledger.spark_engine import SparkDeltaLedger
 
         def make_spark(**options: Any) -> Ledger:

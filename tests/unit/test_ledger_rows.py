@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -122,10 +124,30 @@ def test_conflicts_are_retried_with_backoff_then_raise_ledger_conflict(tmp_path:
 
 def test_open_ledger_picks_delta_rs_and_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
     config = IdemConfig(group="orders", data_dir=str(tmp_path))
-    ledger = open_ledger(config)
-    assert isinstance(ledger, DeltaLedger)
-    assert ledger.path == str(Path(config.resolved_ledger_path).absolute())
-    with pytest.raises(LedgerError, match=r"io\.delta\.sql\.DeltaSparkSessionExtension"):
-        open_ledger(config, engine="spark")
-    with pytest.raises(ConfigError, match="engine"):
-        open_ledger(config, engine="duckdb")  # type: ignore[arg-type]
+    assert isinstance(open_ledger(config, "delta-rs"), DeltaLedger)
+    with pytest.raises(ConfigError, match=r"^engine: 'duckdb' is not one of auto, delta-rs"):
+        open_ledger(config, engine="duckdb")
+    # In a process with no Spark session (this one may hold the tests' Delta session):
+    # auto is delta-rs, and an explicit delta-spark says what is missing.
+    script = f"""
+from idem.config import IdemConfig, LedgerEngine
+from idem.errors import ConfigError
+from idem.ledger import DeltaLedger, open_ledger
+config = IdemConfig(group="orders", data_dir={str(tmp_path)!r})
+ledger = open_ledger(config)
+assert isinstance(ledger, DeltaLedger), ledger
+print(ledger.path)
+try:
+    open_ledger(config.with_changes(engine=LedgerEngine.DELTA_SPARK))
+except ConfigError as exc:
+    print(exc)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    path, refusal = done.stdout.splitlines()
+    assert path == str(Path(config.resolved_ledger_path).absolute())
+    assert refusal.startswith("engine: delta-spark needs an active Spark session with Delta")
+    assert "pip install 'idem[spark-delta]'" in refusal
+    assert "deploy/jars/fetch.sh" in refusal
+    assert "io.delta.sql.DeltaSparkSessionExtension" in refusal
