@@ -180,8 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     conf = {**session_conf_for(config.engine, jars), **_spark_conf(args.spark_conf)}
     client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
     session = _session(f"idem-run-{config.group}", conf)
-    hint = "" if jars else " (--jars DIR puts them on the session idem run starts)"
-    used = engine_for_session(config.engine, session, hint=hint)  # before the query starts
+    used = engine_for_session(config.engine, session)  # before the query starts
     log.info("ledger engine: %s", used.value)
     pipeline = Pipeline(session, config, spec, client=client, sink_fn=sink_fn)
     try:

@@ -1,29 +1,25 @@
-"""Which Delta engine a Spark job's ledger uses, and what its session needs for it.
+"""Which Delta engine a Spark job's ledger uses, and what a session started for it gets.
 
 The delta-rs engine runs in the Python process and needs nothing of Spark. The
 delta-spark engine writes through the Spark session: it needs Delta's jars on the
-session's classpath and Delta's SQL extension on, both fixed when the session
-starts. :func:`delta_session_conf` gives a new session both;
-:func:`engine_for_session` says which engine a ledger opened on a session uses and
-refuses, naming what is missing, a session that cannot run the one asked for.
+session's classpath and Delta's SQL extension and catalog on, all fixed when the
+session starts. :func:`session_conf_for` is what idem gives a session it starts;
+:func:`engine_for_session` says which engine a ledger opened on a session uses,
+and refuses a session that cannot run the one asked for, naming what it lacks.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idem.config import LedgerEngine
 from idem.errors import ConfigError
-from idem.ledger.base import DELTA_SPARK_EXTENSION
+from idem.ledger.base import DELTA_SPARK_CATALOG, DELTA_SPARK_EXTENSION, delta_spark_missing
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
-"""The ``spark_catalog`` implementation Delta's SQL support needs."""
 
 
 def jar_paths(text: str, *, name: str = "--jars") -> list[str]:
@@ -49,81 +45,30 @@ def jar_paths(text: str, *, name: str = "--jars") -> list[str]:
     return jars
 
 
-def delta_session_conf(jars: Sequence[str] = ()) -> dict[str, str]:
-    """Settings of a new session for the delta-spark engine: ``jars`` on its classpath,
-    Delta's SQL extension and catalog on."""
-    conf = {
-        "spark.sql.extensions": DELTA_SPARK_EXTENSION,
-        "spark.sql.catalog.spark_catalog": DELTA_CATALOG,
-    }
-    if jars:
-        conf["spark.jars"] = ",".join(jars)
+def session_conf_for(engine: LedgerEngine, jars: Sequence[str] = ()) -> dict[str, str]:
+    """Settings of a session started for ``engine``: ``jars`` on its classpath, and for
+    delta-spark Delta's SQL extension and catalog on."""
+    conf = {"spark.jars": ",".join(jars)} if jars else {}
+    if engine is LedgerEngine.DELTA_SPARK:
+        conf["spark.sql.extensions"] = DELTA_SPARK_EXTENSION
+        conf["spark.sql.catalog.spark_catalog"] = DELTA_SPARK_CATALOG
     return conf
 
 
-def session_conf_for(engine: LedgerEngine, jars: Sequence[str] = ()) -> dict[str, str]:
-    """What a session started for ``engine`` is given: Delta's settings for delta-spark;
-    otherwise only ``jars``, if any, on its classpath."""
-    if engine is LedgerEngine.DELTA_SPARK:
-        return delta_session_conf(jars)
-    return {"spark.jars": ",".join(jars)} if jars else {}
+def engine_for_session(engine: LedgerEngine, spark: SparkSession) -> LedgerEngine:
+    """The engine a ledger opened on ``spark`` with ``engine`` uses (``auto`` resolved:
+    delta-spark on a session that can run it, else delta-rs).
 
-
-def delta_spark_missing(spark: SparkSession) -> str | None:
-    """What ``spark`` lacks to run the delta-spark engine, in words (``None``: nothing).
-
-    It needs the ``delta-spark`` Python package, Delta's jars on the driver's classpath
-    and ``spark.sql.extensions`` naming Delta's extension. Spark starts a session whose
-    extension class cannot be found with only a warning, so the class is looked up here.
-    """
-    if importlib.util.find_spec("delta") is None:
-        return "the delta-spark Python package (pip install 'idem[spark-delta]')"
-    if not _class_loadable(spark, DELTA_SPARK_EXTENSION):
-        return (
-            f"Delta's jars on the Spark session's classpath ({DELTA_SPARK_EXTENSION} was "
-            "not found): delta-spark_<spark>_2.13-<version>.jar and delta-storage-<version>.jar"
-        )
-    if not _extension_on(spark):
-        found = spark.conf.get("spark.sql.extensions", "") or "unset"
-        return (
-            f"spark.sql.extensions to name {DELTA_SPARK_EXTENSION} (it is {found}); "
-            "it is read when the session starts"
-        )
-    return None
-
-
-def engine_for_session(
-    engine: LedgerEngine, spark: SparkSession, *, hint: str = ""
-) -> LedgerEngine:
-    """The engine a ledger opened on ``spark`` with ``engine`` uses (``auto`` resolved).
-
-    ``auto`` is delta-spark when the session has Delta's extension on and the
-    ``delta-spark`` package is installed, else delta-rs. A session that cannot run
-    delta-spark when it is asked for (or when ``auto`` picks it) is refused with a
-    :class:`ConfigError` naming what is missing, ``hint`` appended.
+    Called before a job starts: a session that cannot run delta-spark when it is asked
+    for is a :class:`ConfigError` naming what the session lacks (Spark starts a session
+    whose extension class is missing with a warning only, and the job would fail in its
+    first batch).
     """
     if engine is LedgerEngine.DELTA_RS:
         return engine
-    if engine is LedgerEngine.AUTO and not (
-        _extension_on(spark) and importlib.util.find_spec("delta") is not None
-    ):
-        return LedgerEngine.DELTA_RS
     missing = delta_spark_missing(spark)
-    if missing is not None:
-        chosen = ""
-        if engine is LedgerEngine.AUTO:
-            chosen = " (auto picks it: the session names its extension)"
-        raise ConfigError(f"engine: delta-spark{chosen} needs {missing}{hint}")
-    return LedgerEngine.DELTA_SPARK
-
-
-def _extension_on(spark: SparkSession) -> bool:
-    return DELTA_SPARK_EXTENSION in (spark.conf.get("spark.sql.extensions", "") or "")
-
-
-def _class_loadable(spark: SparkSession, name: str) -> bool:
-    """Whether the driver's JVM finds class ``name`` where Spark looks for its plugins."""
-    jvm = spark.sparkContext._jvm
-    if jvm is None:  # a stopped context
-        return False
-    return bool(jvm.org.apache.spark.util.Utils.classIsLoadable(name))
+    if missing is None:
+        return LedgerEngine.DELTA_SPARK
+    if engine is LedgerEngine.AUTO:
+        return LedgerEngine.DELTA_RS
+    raise ConfigError(f"engine: delta-spark cannot run on this Spark session: {missing}")
