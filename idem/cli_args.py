@@ -57,7 +57,7 @@ def add_engine_option(parser: argparse.ArgumentParser) -> None:
         choices=[e.value for e in LedgerEngine],
         help="the ledger's Delta engine: delta-rs (in this process, no JVM jars), "
         "delta-spark (through the Spark session, which needs Delta's jars), or auto "
-        "(delta-spark when the session has Delta's extension, else delta-rs); "
+        "(delta-spark on a Spark session with Delta's extension and jars, else delta-rs); "
         "default: IDEM_ENGINE, else auto",
     )
 
