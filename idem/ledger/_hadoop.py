@@ -16,6 +16,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from idem.errors import LedgerError
 from idem.ledger import _log
 
 if TYPE_CHECKING:
@@ -28,7 +29,13 @@ class HadoopLogStore:
     """A table root on a Hadoop filesystem (:class:`~idem.ledger._log.LogStore`)."""
 
     def __init__(self, spark: SparkSession, root: str) -> None:
-        self._jvm: Any = spark._jvm
+        jvm = spark._jvm
+        if jvm is None:
+            raise LedgerError(
+                "engine: delta-spark needs a classic Spark session with a JVM on the driver "
+                "(not Spark Connect)"
+            )
+        self._jvm: Any = jvm
         conf = spark._jsparkSession.sessionState().newHadoopConf()
         self._root = self._jvm.org.apache.hadoop.fs.Path(root)
         self._fs = self._root.getFileSystem(conf)

@@ -73,6 +73,16 @@ class CommitEntry:
     transactions: dict[str, int] = field(default_factory=dict)
     user_metadata: str | None = None
     metrics: dict[str, str] = field(default_factory=dict)
+    metadata: TableMetadata | None = None
+
+
+@dataclass(frozen=True)
+class TableMetadata:
+    """A table's ``metaData`` action: what the ledger checks and its columns."""
+
+    description: str | None
+    configuration: dict[str, str]
+    schema_string: str | None
 
 
 class HistoryGone(Exception):
@@ -87,6 +97,7 @@ def parse_commit(version: int, data: bytes) -> CommitEntry:
     transactions: dict[str, int] = {}
     user_metadata: str | None = None
     metrics: dict[str, str] = {}
+    metadata: TableMetadata | None = None
     for line in data.splitlines():
         if not line.strip():
             continue
@@ -102,6 +113,8 @@ def parse_commit(version: int, data: bytes) -> CommitEntry:
             )
         elif "remove" in action:
             removed.append(action["remove"]["path"])
+        elif "metaData" in action:
+            metadata = _metadata(action["metaData"])
         elif "txn" in action:
             transactions[str(action["txn"]["appId"])] = int(action["txn"]["version"])
         elif "commitInfo" in action:
@@ -117,7 +130,44 @@ def parse_commit(version: int, data: bytes) -> CommitEntry:
         transactions=transactions,
         user_metadata=user_metadata,
         metrics=metrics,
+        metadata=metadata,
     )
+
+
+def _metadata(action: dict[str, Any]) -> TableMetadata:
+    configuration = action.get("configuration") or {}
+    if isinstance(configuration, list):  # a map column of a checkpoint: (key, value) pairs
+        configuration = dict(configuration)
+    return TableMetadata(
+        description=action.get("description"),
+        configuration={str(k): str(v) for k, v in configuration.items()},
+        schema_string=action.get("schemaString"),
+    )
+
+
+def latest_metadata(store: LogStore, version: int) -> TableMetadata | None:
+    """The table's ``metaData`` as of ``version``: the newest commit back to the last
+    checkpoint that carries one, else the checkpoint's (``None``: not found this way,
+    e.g. a multi-part checkpoint)."""
+    checkpoint = checkpoint_hint(store)
+    floor = checkpoint if 0 <= checkpoint <= version else -1
+    for past in range(version, floor, -1):
+        try:
+            entry = parse_commit(past, store.read_bytes(commit_name(past)))
+        except FileNotFoundError:
+            break
+        if entry.metadata is not None:
+            return entry.metadata
+    if floor < 0:
+        return None
+    try:
+        actions = store.read_parquet(f"{LOG_DIR}/{floor:020d}.checkpoint.parquet", ["metaData"])
+    except FileNotFoundError:
+        return None
+    for found in actions.column("metaData").to_pylist():
+        if found:
+            return _metadata(found)
+    return None
 
 
 class LogStore(Protocol):

@@ -25,6 +25,7 @@ this engine only for a session checked to run it.
 from __future__ import annotations
 
 import importlib
+import json
 import random
 import threading
 import uuid
@@ -107,7 +108,7 @@ class SparkDeltaLedger:
         self._added = AddedKeys(self._read_commit, self._read_index_file)
         self._checked = False
         self._check_lock = threading.Lock()
-        self._types: tuple[int, pa.Schema] | None = None
+        self._known_metadata: tuple[int, _log.TableMetadata] | None = None
 
     @property
     def path(self) -> str:
@@ -135,23 +136,49 @@ class SparkDeltaLedger:
         with self._check_lock:
             if self._checked:
                 return
-            try:
-                detail = (
-                    self._delta.forPath(self._spark, self._path)
-                    .detail()
-                    .select("description", "properties")
-                    .head()
-                )
-            except Exception as exc:  # Py4J / Spark errors have no common base
-                raise LedgerError(f"ledger {self._path}: cannot read the table: {exc}") from exc
+            metadata = self._metadata(self._log.read())
             check_ledger_table(
                 self._path,
                 engine=ENGINE,
-                description=detail["description"],
-                properties=dict(detail["properties"] or {}),
+                description=metadata.description,
+                properties=metadata.configuration,
                 identity=self._identity,
             )
             self._checked = True
+
+    def _metadata(self, version: int) -> _log.TableMetadata:
+        """The table's metadata at ``version``, from the log (kept until a commit changes
+        it); Spark's own snapshot only where the log cannot tell."""
+        cached = self._known_metadata
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        found: _log.TableMetadata | None = None
+        try:
+            if cached is not None and cached[0] < version:
+                found = cached[1]
+                for later in range(cached[0] + 1, version + 1):
+                    entry = self._read_commit(later)
+                    found = entry.metadata or found
+            else:
+                found = _log.latest_metadata(self._store, version)
+        except _log.HistoryGone:
+            found = _log.latest_metadata(self._store, version)
+        except OSError as exc:
+            raise LedgerError(f"ledger {self._path}: cannot read the log: {exc}") from exc
+        if found is None:
+            found = self._spark_metadata()
+        self._known_metadata = (version, found)
+        return found
+
+    def _spark_metadata(self) -> _log.TableMetadata:
+        try:
+            table = self._delta.forPath(self._spark, self._path)
+            detail = table.detail().select("description", "properties").head()
+            schema = table.toDF().schema.json()
+        except Exception as exc:  # Py4J / Spark errors have no common base
+            raise LedgerError(f"ledger {self._path}: cannot read the table: {exc}") from exc
+        properties = {str(k): str(v) for k, v in (detail["properties"] or {}).items()}
+        return _log.TableMetadata(detail["description"], properties, schema)
 
     # -- commit ----------------------------------------------------------------
 
@@ -322,22 +349,18 @@ class SparkDeltaLedger:
     # -- reading what was missed -------------------------------------------------
 
     def column_types(self) -> pa.Schema | None:
-        """The table's columns as Arrow types (``None`` while there is no table)."""
+        """The table's columns as Arrow types (``None`` while there is no table), from the
+        schema its log records."""
         version = self.version()
         if version < 0:
             return None
-        cached = self._types
-        if cached is not None and cached[0] == version:
-            return cached[1]
         from pyspark.sql.pandas.types import to_arrow_schema  # noqa: PLC0415 -- pyspark
+        from pyspark.sql.types import StructType  # noqa: PLC0415
 
-        try:
-            schema = self._spark.read.format("delta").load(self._path).schema
-        except Exception as exc:  # Py4J / Spark errors have no common base
-            raise LedgerError(f"ledger {self._path}: cannot read the schema: {exc}") from exc
-        types = to_arrow_schema(schema)
-        self._types = (version, types)
-        return types
+        schema = self._metadata(version).schema_string
+        if schema is None:
+            raise LedgerError(f"ledger {self._path}: the log records no schema")
+        return to_arrow_schema(StructType.fromJson(json.loads(schema)), timezone="UTC")
 
     def keys_added_since(self, version: int) -> ChangedKeys | None:
         """Keys added by versions ``(version, current]``, from just the files they added.

@@ -20,10 +20,19 @@ from deltalake import DeltaTable, QueryBuilder, write_deltalake
 from idem.cli import main as cli_main
 from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
-from idem.errors import ConfigError
+from idem.errors import ConfigError, LedgerError
 from idem.keys import bucket_of
-from idem.ledger import DeltaLedger, Ledger, conform, deltars, make_rows
+from idem.ledger import (
+    LEDGER_SCHEMA,
+    DeltaLedger,
+    Ledger,
+    conform,
+    deltars,
+    make_rows,
+    open_ledger,
+)
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
+from idem.ledger.schema import LedgerIdentity
 
 pytestmark = pytest.mark.integration
 
@@ -511,9 +520,11 @@ def test_owners_says_who_committed_each_key(make_ledger: MakeLedger, clock: Manu
     assert ledger.owners([], since_ms=None) == {}
 
 
-def test_expire_drops_old_days_and_keeps_the_rest(tmp_path: Path, clock: ManualClock) -> None:
+def test_expire_drops_old_days_and_keeps_the_rest(
+    make_ledger: MakeLedger, clock: ManualClock, tmp_path: Path
+) -> None:
     path = tmp_path / "ledger"
-    ledger = DeltaLedger(str(path), clock=clock)
+    ledger = make_ledger()
     for day, keys in ((0, ["old1", "old2"]), (5, ["mid"]), (9, ["new"])):
         clock.advance(day * DAY_MS / 1000 - (clock.now_ms() - START_MS) / 1000)
         commit(ledger, keys, clock, txn=day)
@@ -528,9 +539,9 @@ def test_expire_drops_old_days_and_keeps_the_rest(tmp_path: Path, clock: ManualC
 
 
 def test_expire_refuses_a_negative_vacuum_retention_before_deleting(
-    tmp_path: Path, clock: ManualClock
+    make_ledger: MakeLedger, clock: ManualClock
 ) -> None:
-    ledger = DeltaLedger(str(tmp_path / "ledger"), clock=clock)
+    ledger = make_ledger()
     commit(ledger, ["old"], clock, txn=0)
     clock.advance(9 * DAY_MS / 1000)
     with pytest.raises(ConfigError, match=r"^vacuum_retention_hours: -1 must be >= 0"):
@@ -538,11 +549,13 @@ def test_expire_refuses_a_negative_vacuum_retention_before_deleting(
     assert ledger_keys(ledger) == ["old"]  # nothing deleted
 
 
-def test_a_sink_table_that_is_its_own_ledger_keeps_the_user_columns(
-    tmp_path: Path, clock: ManualClock
+def test_a_sink_table_that_is_its_own_ledger_keeps_the_user_columns_and_tells_their_types(
+    make_ledger: MakeLedger, clock: ManualClock, tmp_path: Path
 ) -> None:
-    path = str(tmp_path / "sink")
-    ledger = DeltaLedger(path, clock=clock)
+    """The types are what a sink fits the user's rows to (a row that does not fit is
+    dead-lettered instead of failing the batch on every replay)."""
+    ledger = make_ledger()
+    assert ledger.column_types() is None  # no table yet
     rows = rows_for(["A", "B"], clock).append_column("amount", pa.array([9.5, 3.0]))
     ledger.commit(rows, app_id="q", txn_version=0, match_since_ms=None)
     later = rows_for(["B", "C"], clock).append_column("amount", pa.array([1.0, 7.25]))
@@ -550,11 +563,47 @@ def test_a_sink_table_that_is_its_own_ledger_keeps_the_user_columns(
     assert result.already_present == ["B"]
     stored = pa.table(
         QueryBuilder()
-        .register("sink", DeltaTable(path))
+        .register("sink", DeltaTable(str(tmp_path / "ledger")))
         .execute("SELECT key, amount FROM sink ORDER BY key")
         .read_all()
     )
     assert stored.column("amount").to_pylist() == [9.5, 3.0, 7.25]
+    types = ledger.column_types()
+    assert types is not None
+    assert {f.name: f.type for f in types} == {
+        **{f.name: f.type for f in LEDGER_SCHEMA},
+        "amount": pa.float64(),
+    }
+
+
+def test_keys_added_since_raises_when_a_file_cannot_be_read_and_is_none_only_when_gone(
+    make_ledger: MakeLedger, clock: ManualClock, tmp_path: Path
+) -> None:
+    """A damaged file is an error to see, not a reason to rebuild the whole index."""
+    path = tmp_path / "ledger"
+    writer = make_ledger()
+    start = commit(writer, ["A"], clock, txn=0).version
+    later = commit(writer, ["B"], clock, txn=1).version
+    entry = parse_commit(later, (path / commit_name(later)).read_bytes())
+    [added] = [a.path for a in entry.added]
+    (path / added).write_bytes(b"not parquet")
+
+    reader = make_ledger()  # remembers nothing of the writer's commits
+    with pytest.raises(LedgerError, match=r"cannot read"):
+        reader.keys_added_since(start)
+    (path / added).unlink()  # vacuumed: the index must be rebuilt from the window
+    assert make_ledger().keys_added_since(start) is None
+
+
+def test_a_ledger_of_another_group_or_bucket_count_is_refused(
+    make_ledger: MakeLedger, clock: ManualClock
+) -> None:
+    commit(make_ledger(identity=LedgerIdentity("orders", BUCKETS)), ["A"], clock)
+    with pytest.raises(ConfigError, match=r"^ledger_path: .* belongs to group 'orders'"):
+        make_ledger(identity=LedgerIdentity("payments", BUCKETS)).version()
+    with pytest.raises(ConfigError, match=rf"^buckets: .* written with {BUCKETS} buckets, not 8"):
+        make_ledger(identity=LedgerIdentity("orders", 8)).version()
+    assert make_ledger(identity=LedgerIdentity("orders", BUCKETS)).version() == 0
 
 
 def test_version_sees_other_writers_and_counts_every_commit(tmp_path: Path) -> None:
@@ -609,3 +658,174 @@ def test_the_cli_audits_expires_and_refuses_to_cut_into_the_window(
     assert "inside the dedup window" in capsys.readouterr().err
     assert cli_main(["ledger", "expire", "--older-than", "30d", *common]) == 0
     assert '"deleted_rows": 0' in capsys.readouterr().out
+
+
+# -- delta-spark: what a Spark session shares with the application ---------------------
+
+
+@pytest.fixture
+def spark_ledger(spark: Any, tmp_path: Path, clock: ManualClock) -> Callable[..., Any]:
+    """Ledgers written by delta-spark, on ``tmp_path / name``."""
+    from idem.ledger.spark_engine import SparkDeltaLedger
+
+    def make(name: str = "ledger", **options: Any) -> Any:
+        return SparkDeltaLedger(spark, str(tmp_path / name), clock=clock, **options)
+
+    return make
+
+
+def test_a_spark_commit_leaves_the_callers_session_settings_alone(
+    spark: Any, spark_ledger: Callable[..., Any], clock: ManualClock, tmp_path: Path
+) -> None:
+    """The txn ids and the commit tag are set on a clone: the application's own Delta
+    writes in its session carry neither, and its own settings survive the commit."""
+    user_metadata = "spark.databricks.delta.commitInfo.userMetadata"
+    spark.conf.set(user_metadata, "the application's")
+    try:
+        commit(spark_ledger(), ["A"], clock, app="sink", txn=3)
+        assert spark.conf.get(user_metadata) == "the application's"
+        assert spark.conf.get("spark.databricks.delta.write.txnAppId", None) is None
+        own = str(tmp_path / "own")
+        spark.range(1).write.format("delta").save(own)
+        entry = parse_commit(0, (Path(own) / commit_name(0)).read_bytes())
+        assert entry.transactions == {}
+        assert entry.user_metadata == "the application's"
+    finally:
+        spark.conf.unset(user_metadata)
+
+
+def test_two_spark_ledgers_committing_at_once_keep_their_own_txn_ids(
+    spark_ledger: Callable[..., Any], clock: ManualClock, tmp_path: Path
+) -> None:
+    ledgers = [spark_ledger("first"), spark_ledger("second")]
+    for round_ in range(2):
+        results = race(
+            lambda w, r=round_: commit(ledgers[w], [f"K{w}-{r}"], clock, app=f"app{w}", txn=r)
+        )
+        for w, result in enumerate(results):
+            assert (result.inserted, result.replayed) == (1, False)
+            path = tmp_path / ("first", "second")[w]
+            entry = parse_commit(result.version, (path / commit_name(result.version)).read_bytes())
+            assert entry.transactions == {f"app{w}": round_}
+
+
+class _BeforeMerge:
+    """delta-spark's DeltaTable, calling ``hook`` once just before the first MERGE starts."""
+
+    def __init__(self, real: Any, hook: Callable[[], None]) -> None:
+        self._real = real
+        self._hook: Callable[[], None] | None = hook
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def forPath(self, *args: Any) -> Any:  # noqa: N802 -- delta-spark's name
+        table = self._real.forPath(*args)
+        outer = self
+
+        class Table:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(table, name)
+
+            def alias(self, name: str) -> Any:
+                hook, outer._hook = outer._hook, None
+                if hook is not None:
+                    hook()
+                return table.alias(name)
+
+        return Table()
+
+
+def test_a_key_another_writer_commits_just_before_the_merge_is_reported_present(
+    spark_ledger: Callable[..., Any], clock: ManualClock
+) -> None:
+    """What a commit reports as already present comes from the commit itself."""
+    ours, theirs = spark_ledger(), spark_ledger()
+    commit(ours, ["seed"], clock, app="seed")
+    ours._delta = _BeforeMerge(ours._delta, lambda: commit(theirs, ["B"], clock, app="theirs"))
+    result = commit(ours, ["A", "B"], clock, app="ours")
+    assert (result.inserted, result.already_present) == (1, ["B"])
+    assert ledger_keys(ours) == ["A", "B", "seed"]
+
+
+def test_a_spark_commit_reports_its_own_version_when_another_writer_follows_at_once(
+    spark_ledger: Callable[..., Any], clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The version a commit reports moves Redis's watermark: it must be the commit that
+    carries this batch's txn, found by its tag, not the newest one."""
+    from idem.ledger.spark_engine import SparkDeltaLedger
+
+    ours, theirs = spark_ledger(), spark_ledger()
+    commit(ours, ["seed"], clock, app="seed")
+    real = SparkDeltaLedger._find_commit
+
+    def then_another_writer(self: Any, before: int, tag: str) -> Any:
+        monkeypatch.setattr(SparkDeltaLedger, "_find_commit", real)
+        commit(theirs, ["THEIRS"], clock, app="theirs")
+        return real(self, before, tag)
+
+    monkeypatch.setattr(SparkDeltaLedger, "_find_commit", then_another_writer)
+    result = commit(ours, ["A"], clock, app="ours")
+    assert (result.version, result.inserted, ours.version()) == (1, 1, 2)
+    path = Path(ours.path)
+    entry = parse_commit(1, (path / commit_name(1)).read_bytes())
+    assert entry.transactions == {"ours": 0}
+
+
+def test_version_on_delta_spark_reads_the_log_and_runs_no_spark_job(
+    spark: Any, spark_ledger: Callable[..., Any], clock: ManualClock
+) -> None:
+    writer, reader = spark_ledger(), spark_ledger()
+    commit(writer, ["A"], clock)
+    assert reader.version() == 0  # the first call also checks whose table it is
+    tracker = spark.sparkContext.statusTracker()
+    jobs = len(tracker.getJobIdsForGroup(None))
+    assert [reader.version() for _ in range(20)] == [0] * 20
+    commit(writer, ["B"], clock, txn=1)
+    jobs_after_commit = len(tracker.getJobIdsForGroup(None))
+    assert reader.version() == 1
+    assert jobs_after_commit > jobs  # the tracker does see jobs...
+    assert len(tracker.getJobIdsForGroup(None)) == jobs_after_commit  # ...version ran none
+
+
+def test_a_table_has_one_writer_engine(
+    spark: Any,
+    spark_ledger: Callable[..., Any],
+    clock: ManualClock,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    commit(DeltaLedger(str(tmp_path / "by-delta-rs"), clock=clock), ["A"], clock)
+    with pytest.raises(ConfigError, match=r"is written by delta-rs, not delta-spark"):
+        spark_ledger("by-delta-rs").version()
+
+    config = IdemConfig(group="orders", data_dir=str(tmp_path / "spark-group"), buckets=BUCKETS)
+    ledger = open_ledger(config)  # auto, in a session checked to run delta-spark
+    assert type(ledger).__name__ == "SparkDeltaLedger"
+    commit(ledger, ["A"], clock)
+    with pytest.raises(ConfigError, match=r"is written by delta-spark, not delta-rs"):
+        open_ledger(config, "delta-rs").version()
+    common = ["--group", "orders", "--data-dir", config.data_dir]
+    assert cli_main(["ledger", "expire", "--older-than", "30d", *common]) == 2
+    refusal = capsys.readouterr().err
+    assert "is written by delta-spark" in refusal
+    assert "open_ledger(config, 'delta-spark').expire(" in refusal
+    assert ledger_keys(ledger) == ["A"]
+
+
+def test_the_spark_log_reader_reads_like_the_local_one(spark: Any, tmp_path: Path) -> None:
+    """A ledger on a filesystem only Spark reaches is read through its Hadoop filesystem."""
+    from idem.ledger._hadoop import HadoopLogStore
+
+    path = tmp_path / "ledger"
+    commit(DeltaLedger(str(path)), ["A", "B"], ManualClock(START_MS))
+    local, hadoop = LocalLogStore(str(path)), HadoopLogStore(spark, f"file://{path}")
+    entry = parse_commit(0, hadoop.read_bytes(commit_name(0)))
+    assert entry == parse_commit(0, local.read_bytes(commit_name(0)))
+    assert hadoop.exists(commit_name(0))
+    assert not hadoop.exists(commit_name(1))
+    with pytest.raises(FileNotFoundError):
+        hadoop.read_bytes(commit_name(1))
+    keys = [hadoop.read_parquet(a.path, ["key"]).column("key").to_pylist() for a in entry.added]
+    assert sorted(k for part in keys for k in part) == ["A", "B"]
+    assert sorted(hadoop.list_log()) == sorted(local.list_log())
