@@ -338,7 +338,7 @@ class BatchRun:
             self._send(level, rows)
         if claim.busy:
             # Not a failure: back after a short delay, reconsume times unchanged, so a
-            # key that is merely busy is never dead-lettered (its owner may still fail).
+            # key that is merely busy is never dead-lettered.
             self._send(BUSY_DELAY_LEVEL, dict.fromkeys(claim.busy, "busy"), busy=True)
 
     def _send(self, level: int, rows: Mapping[int, str], *, busy: bool = False) -> None:
