@@ -147,7 +147,9 @@ class KafkaBroker:
                 return
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"the Kafka broker did not start in {START_TIMEOUT_S:g} s: {self.log_tail()}")
+        raise RuntimeError(
+            f"the Kafka broker did not start in {START_TIMEOUT_S:g} s: {self.log_tail()}"
+        )
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the broker's log (for a failure message)."""
@@ -186,7 +188,7 @@ def _accepts(port: int) -> bool:
 
 def create_topic(spark: SparkSession, bootstrap: str, name: str, partitions: int = 3) -> None:
     """Create ``name`` with ``partitions`` partitions through Kafka's admin client (py4j)."""
-    jvm = spark._jvm  # noqa: SLF001 - py4j is the way to Kafka's Java admin client here
+    jvm = spark._jvm
     assert jvm is not None
     props = jvm.java.util.Properties()
     props.put("bootstrap.servers", bootstrap)
