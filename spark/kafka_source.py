@@ -17,8 +17,9 @@ of the payload's fingerprint (a resend is the same payload) nor a column of the 
 
 A value that is not JSON for the schema keeps its text in ``_idem_raw_body`` and says
 why in ``_idem_malformed``, as a file source's line does: it is dead-lettered with the
-value as its body. A value without the key field, or with a null one, is a bad key:
-dead-lettered with that reason, as for any source.
+value as its body. So is a null (a tombstone) or empty value, its body the row of
+nulls. A value without the key field, or with a null one, is a bad key: dead-lettered
+with that reason, as for any source.
 """
 
 from __future__ import annotations
@@ -200,11 +201,10 @@ def kafka_rows(
         F.col(SOURCE_ID_COLUMN),
         F.lit(" is not valid JSON for the schema"),
     )
-    null_value = F.concat(
-        F.lit("Kafka record "), F.col(SOURCE_ID_COLUMN), F.lit(" has a null value")
-    )
+    record = F.concat(F.lit("Kafka record "), F.col(SOURCE_ID_COLUMN))
     why = (
-        F.when(F.col("_value").isNull(), null_value)
+        F.when(F.col("_value").isNull(), F.concat(record, F.lit(" has a null value")))
+        .when(F.col("_value") == "", F.concat(record, F.lit(" has an empty value")))
         .when(F.col("v").getField(RAW_BODY_COLUMN).isNotNull(), unparsable)
         .when(F.col("v").isNull(), unparsable)
     )

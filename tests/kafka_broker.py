@@ -202,12 +202,11 @@ def create_topic(spark: SparkSession, bootstrap: str, name: str, partitions: int
         admin.close()
 
 
-def produce(
-    spark: SparkSession,
-    bootstrap: str,
-    topic: str,
-    records: Iterable[tuple[str | None, str | None, int | None]],
-) -> int:
+Record = tuple[str | None, str | None, int | None]
+"""``(Kafka key, value, partition)`` of a record to write."""
+
+
+def produce(spark: SparkSession, bootstrap: str, topic: str, records: Iterable[Record]) -> int:
     """Write ``(key, value, partition)`` records with Spark's Kafka sink (one batch write).
 
     A ``None`` partition lets the producer choose by key; ``None`` key or value is a null.
