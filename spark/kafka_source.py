@@ -20,6 +20,10 @@ why in ``_idem_malformed``, as a file source's line does: it is dead-lettered wi
 value as its body. So is a null (a tombstone) or empty value, its body the row of
 nulls. A value without the key field, or with a null one, is a bad key: dead-lettered
 with that reason, as for any source.
+
+With ``--available-now`` the run takes the records there when it starts, then waits for
+the retries they caused; records that arrive meanwhile are taken too (a directory
+source leaves new files for the next run), so ``--timeout`` bounds a busy topic's run.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The ready pipeline behind ``idem run`` (and ``idem demo``).
 
-JSON-lines files in a directory are read as a Spark stream, unioned with the
+JSON-lines files in a directory (or the JSON values of a Kafka topic:
+:mod:`idem.spark.kafka_source`) are read as a Spark stream, unioned with the
 group's retry stream, and written through :class:`ExactlyOnce` to a Delta
 sink table (its own ledger) and/or a user function. A line that is not valid
 JSON for the schema is dead-lettered with the line as its body. The query is restartable
