@@ -26,7 +26,8 @@ from idem.spark.session import FAST_START_JAVA_OPTIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.scenarios]
 
-RUN_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 600
+"""One ``idem run`` process: a JVM and Spark of its own start each time."""
 
 
 def _idem_run(case: KafkaCase, group: str, *, kill_at: str | None = None) -> tuple[int, str]:
@@ -64,6 +65,7 @@ def _idem_run(case: KafkaCase, group: str, *, kill_at: str | None = None) -> tup
     return code, log.read_text(errors="replace")
 
 
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
 def test_c10_driver_killed_inside_batches_leaves_every_key_once(case: KafkaCase) -> None:
     keys = [f"ORDERID_{i}" for i in range(150)]
     case.produce(resent_orders(keys, seed=10))
