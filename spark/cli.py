@@ -164,6 +164,7 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
         idempotency_column=args.idempotency_column,
         timeout_seconds=args.timeout,
         leases=True if args.leases else None,
+        kafka_options=tuple(args.kafka_option or ()),
     )
 
 
@@ -395,7 +396,20 @@ def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "group's retry stream and writes through @exactly_once to a Delta sink table "
         "and/or a function of yours. Restartable from its checkpoint.",
     )
-    run.add_argument("--source", required=True, help="directory of JSON-lines files")
+    run.add_argument(
+        "--source",
+        required=True,
+        help="directory of JSON-lines files, or kafka://HOST:PORT[,HOST:PORT...]/TOPIC "
+        "(JSON values; needs Spark's Kafka connector and --schema)",
+    )
+    run.add_argument(
+        "--kafka-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a setting of Spark's Kafka reader, e.g. startingOffsets=latest, "
+        "maxOffsetsPerTrigger=1000, kafka.security.protocol=SSL (repeatable; "
+        "startingOffsets is earliest unless given)",
+    )
     run.add_argument("--key", required=True, help="the business key field")
     _add_config_options(run)
     run.add_argument("--sink-delta", help="Delta table the rows go to (it is the group's ledger)")
