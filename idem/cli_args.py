@@ -14,7 +14,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from idem.config import IdemConfig
+from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError
 from idem.redis_client import redis_url_problem
 
@@ -47,6 +47,19 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
     return value
+
+
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    """``--engine``: the ledger's Delta engine, for a command that opens the ledger (unset:
+    ``IDEM_ENGINE``, else ``auto``, as :meth:`IdemConfig.from_env` resolves it)."""
+    parser.add_argument(
+        "--engine",
+        choices=[e.value for e in LedgerEngine],
+        help="the ledger's Delta engine: delta-rs (in this process, no JVM jars), "
+        "delta-spark (through the Spark session, which needs Delta's jars), or auto "
+        "(delta-spark on a Spark session with Delta's extension and jars, else delta-rs); "
+        "default: IDEM_ENGINE, else auto",
+    )
 
 
 _SETTING = re.compile(r"([a-z][a-z_]*): ")

@@ -121,6 +121,7 @@ class BatchRun:
         the source's id (``given``), else one derived from the key and payload
         hashes, else a stable id from the batch and the row's position.
         """
+        named: set[int] = set()
         if key_hashes is not None and fingerprint_hashes is not None:
             ids = derived_msg_ids(key_hashes, fingerprint_hashes)
         else:
@@ -129,8 +130,12 @@ class BatchRun:
                 values = given.combine_chunks()
                 usable = pc.fill_null(pc.not_equal(values, ""), False)
                 ids = pc.if_else(usable, values, ids)
-        # A line the source could not parse is its own message: its id comes from its text.
-        ids = _with_values(ids, {i: _text_msg_id(raw) for i, raw in self.raw_bodies.items()})
+                if self.raw_bodies:
+                    named = set(pc.indices_nonzero(usable).to_pylist())
+        # A line the source could not parse is its own message: its id comes from its text,
+        # unless the source named it (a Kafka record's topic, partition and offset do).
+        unnamed = {i: _text_msg_id(raw) for i, raw in self.raw_bodies.items() if i not in named}
+        ids = _with_values(ids, unnamed)
         return _with_values(ids, {i: m.msg_id for i, m in self.previous.items()})
 
     # -- step 1-2 ------------------------------------------------------------------------------
@@ -338,7 +343,7 @@ class BatchRun:
             self._send(level, rows)
         if claim.busy:
             # Not a failure: back after a short delay, reconsume times unchanged, so a
-            # key that is merely busy is never dead-lettered (its owner may still fail).
+            # key that is merely busy is never dead-lettered.
             self._send(BUSY_DELAY_LEVEL, dict.fromkeys(claim.busy, "busy"), busy=True)
 
     def _send(self, level: int, rows: Mapping[int, str], *, busy: bool = False) -> None:

@@ -26,6 +26,7 @@ from idem.cli import (
     exit_code,
 )
 from idem.cli_args import (
+    add_engine_option,
     check_not_a_file,
     check_writable_dir,
     check_writable_file,
@@ -34,7 +35,7 @@ from idem.cli_args import (
     path_flag,
     redis_url,
 )
-from idem.config import IdemConfig
+from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError, IdemError
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
@@ -49,6 +50,7 @@ from idem.spark.dlq import (
     progress_bar,
     replay,
 )
+from idem.spark.ledger_engine import engine_for_session, jar_paths, session_conf_for
 from idem.spark.run import (
     Pipeline,
     RunSpec,
@@ -99,6 +101,7 @@ def _config(args: argparse.Namespace, **extra: Any) -> IdemConfig:
         "journal_path",
         "delay_levels",
         "max_reconsume_times",
+        "engine",
     ):
         value = getattr(args, attr, None)
         if value is not None:
@@ -112,8 +115,11 @@ def _config(args: argparse.Namespace, **extra: Any) -> IdemConfig:
 def _demo(args: argparse.Namespace) -> int:
     if args.workdir:  # an empty one means the default, a new temporary directory
         check_writable_dir(args.workdir, name="--workdir")
+    engine = _demo_engine(args.engine)
     result = run_demo(
         args.workdir,
+        engine=engine,
+        jars=jar_paths(args.jars) if args.jars else (),
         delay_levels=args.delay_levels,
         max_reconsume_times=args.max_reconsume_times,
         orders=args.orders,
@@ -123,6 +129,19 @@ def _demo(args: argparse.Namespace) -> int:
     if result.report.interrupted:  # the check of a run cut short says nothing: not exit 4
         return EXIT_INTERRUPTED
     return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+
+
+def _demo_engine(flag: str | None) -> LedgerEngine:
+    """``--engine``, else ``IDEM_ENGINE``, else ``auto`` (which a demo's own session,
+    started without Delta's jars, resolves to delta-rs)."""
+    if flag:
+        return LedgerEngine(flag)
+    raw = os.environ.get("IDEM_ENGINE", "auto")
+    try:
+        return LedgerEngine(raw)
+    except ValueError:
+        allowed = ", ".join(e.value for e in LedgerEngine)
+        raise ConfigError(f"IDEM_ENGINE: {raw!r} is not one of {allowed}") from None
 
 
 # -- idem run ----------------------------------------------------------------------------------
@@ -145,6 +164,7 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
         idempotency_column=args.idempotency_column,
         timeout_seconds=args.timeout,
         leases=True if args.leases else None,
+        kafka_options=tuple(args.kafka_option or ()),
     )
 
 
@@ -156,9 +176,13 @@ def _run(args: argparse.Namespace) -> int:
     config = _config(args)
     _check_run_paths(args, spec, config)
     sink_fn = load_sink_fn(spec.sink_fn) if spec.sink_fn else None  # before a JVM starts
-    conf = _spark_conf(args.spark_conf)
+    jars = jar_paths(args.jars) if args.jars else []
+    # --spark-conf wins over what the engine asks of a new session
+    conf = {**session_conf_for(config.engine, jars), **_spark_conf(args.spark_conf)}
     client = check_redis(config.redis_url)  # StoreUnavailable -> exit 3
     session = _session(f"idem-run-{config.group}", conf)
+    used = engine_for_session(config.engine, session)  # before the query starts
+    log.info("ledger engine: %s", used.value)
     pipeline = Pipeline(session, config, spec, client=client, sink_fn=sink_fn)
     try:
         report = pipeline.run()
@@ -346,9 +370,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="do not stage the driver failure after batch 2 (which Spark then replays)",
     )
+    _add_session_options(demo)
     demo.set_defaults(func=_guarded(_demo))
     _register_run(subparsers)
     _register_dlq(subparsers)
+
+
+def _add_session_options(parser: argparse.ArgumentParser) -> None:
+    """``--engine`` and ``--jars``: the ledger's engine and the local session's jars."""
+    add_engine_option(parser)
+    parser.add_argument(
+        "--jars",
+        metavar="DIR_OR_LIST",
+        help="jars for the Spark session this command starts (spark.jars): a directory of "
+        "jars or comma-separated jar files, e.g. Delta's for --engine delta-spark; a "
+        "session spark-submit configured is used as it is",
+    )
 
 
 def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -359,7 +396,20 @@ def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         "group's retry stream and writes through @exactly_once to a Delta sink table "
         "and/or a function of yours. Restartable from its checkpoint.",
     )
-    run.add_argument("--source", required=True, help="directory of JSON-lines files")
+    run.add_argument(
+        "--source",
+        required=True,
+        help="directory of JSON-lines files, or kafka://HOST:PORT[,HOST:PORT...]/TOPIC "
+        "(JSON values; needs Spark's Kafka connector and --schema)",
+    )
+    run.add_argument(
+        "--kafka-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a setting of Spark's Kafka reader, e.g. startingOffsets=latest, "
+        "maxOffsetsPerTrigger=1000, kafka.security.protocol=SSL (repeatable; "
+        "startingOffsets is earliest unless given)",
+    )
     run.add_argument("--key", required=True, help="the business key field")
     _add_config_options(run)
     run.add_argument("--sink-delta", help="Delta table the rows go to (it is the group's ledger)")
@@ -415,6 +465,7 @@ def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
         metavar="KEY=VALUE",
         help="a Spark setting for the local session (repeatable)",
     )
+    _add_session_options(run)
     run.add_argument(
         "--check", action="store_true", help="exit 4 if the Delta sink holds a key twice"
     )

@@ -8,7 +8,7 @@
 
     stream.writeStream.foreachBatch(write).start()
 
-Per micro-batch, on the driver (docs/pages/protocol.md): the batch comes over as Arrow;
+Per micro-batch, on the driver: the batch comes over as Arrow;
 bad keys, and rows whose values could not be read (``_idem_malformed``: a
 retry body that no longer fits the schema, a source line that is not JSON),
 go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep
@@ -22,7 +22,7 @@ it raised — are released and sent back on RocketMQ's delay ladder, and after
 
 With ``sink_table=PATH`` the Delta table at PATH is the group's ledger and
 the accepted rows are written into it in the same commit as the record that
-their keys are done (nothing to crash between).
+their keys are done: there is no moment between the two for a crash to fall into.
 """
 
 from __future__ import annotations

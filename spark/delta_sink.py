@@ -6,11 +6,13 @@
 
 The fresh rows of each micro-batch are written to the table together with
 the ledger columns that record their keys as done (``group, bucket, key,
-msg_id, ..., completed_at``), in one delta-rs commit carrying
-``txnAppId``/``txnVersion``: there is no moment between the write
-and its done-record for a crash to fall into. The table is read by anything
-that reads Delta; the user's columns sit next to the ledger's (a user column
-may not share a ledger column's name, except the key column ``key``).
+msg_id, ..., completed_at``), in one Delta commit carrying
+``txnAppId``/``txnVersion`` (by the ledger engine ``config.engine`` names:
+delta-rs in this process, or delta-spark through the Spark session): there is
+no moment between the write and its done-record for a crash to fall into.
+The table is read by anything that reads Delta; the user's columns sit next
+to the ledger's (a user column may not share a ledger column's name, except
+the key column ``key``).
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from deltalake import DeltaTable
 
-from idem.config import IdemConfig
+from idem.config import IdemConfig, LedgerEngine
 from idem.delay_levels import DelayLevels
 from idem.errors import ConfigError
 from idem.extras import install_hint
@@ -43,6 +43,7 @@ from idem.spark.demo_data import (
     write_demo_data,
 )
 from idem.spark.faults import CrashPlan, CrashPoint
+from idem.spark.ledger_engine import engine_for_session, session_conf_for
 from idem.spark.messages import RECONSUME_TIMES_COLUMN
 from idem.spark.run import Pipeline, QueryFailed, RunReport, RunSpec, sink_check
 from idem.spark.session import local_session
@@ -163,12 +164,17 @@ def run_demo(
     orders: int = 600,
     files: int = 6,
     crash_after_batch: int | None = 2,
+    engine: LedgerEngine = LedgerEngine.AUTO,
+    jars: Sequence[str] = (),
     out: TextIO | None = None,
 ) -> DemoResult:
     """Run the demo in ``workdir`` (default: a new temporary directory) and print the report.
 
     ``crash_after_batch`` stages a driver failure after that batch's commit (before
     Spark's commit log): the query is restarted and Spark replays the batch.
+    ``engine`` is the sink table's Delta engine: ``auto`` is delta-rs on the session the
+    demo starts (it has no Delta jars), delta-spark on an active session with Delta's
+    extension; delta-spark on a session the demo starts needs Delta's ``jars``.
     """
     check_sizes(orders=orders, files=files)  # before Redis and Spark start
     out = out or sys.stdout
@@ -179,6 +185,7 @@ def run_demo(
         delay_levels=DelayLevels.parse(delay_levels),
         max_reconsume_times=max_reconsume_times,
         buckets=8,
+        engine=engine,
     )
     root = Path(workdir or tempfile.mkdtemp(prefix="idem-demo-"))
     with embedded_redis() as redis_info:
@@ -209,7 +216,14 @@ def run_demo(
             f"{max_reconsume_times}; starting local Spark",
             file=out,
         )
-        spark = local_session("idem-demo", log_level="FATAL", fast_start=True)
+        spark = local_session(
+            "idem-demo",
+            log_level="FATAL",
+            fast_start=True,
+            conf=session_conf_for(settings.engine, jars),
+        )
+        used = engine_for_session(settings.engine, spark)
+        print(f"idem demo: ledger engine {used.value}", file=out)
         crash = CrashPlan(CrashPoint.AFTER_COMMIT, crash_after_batch) if crash_after_batch else None
         if crash is not None:
             # py4j logs the staged failure with a traceback; the demo says what happened.

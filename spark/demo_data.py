@@ -1,7 +1,7 @@
 """The demo's order stream: JSON-lines files with at-least-once redelivery patterns baked in.
 
 The files are what a file-based consumer would have received from a broker
-that delivers at least once (the cases C1-C10 of docs/pages/guarantees.md):
+that delivers at least once:
 
 - producer retries (C1): a send timed out after the broker stored it, so the
   same message (same key, same msg id) is stored twice, sometimes in one file;

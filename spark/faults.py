@@ -5,7 +5,7 @@ itself with SIGKILL when batch 3 reaches the point after the sink ran, or batch
 5 the point after the commit; ``after_sink`` without ``@`` fires on the first
 batch that gets there. Nothing happens unless the variable is set; the
 restarted job runs without it. A SIGKILL leaves no chance to clean up, which
-is the point: it is a crash of the table in docs/pages/guarantees.md, at a chosen moment.
+is the point: a driver that dies between two steps of a batch, at a chosen moment.
 """
 
 from __future__ import annotations

@@ -34,7 +34,11 @@ RAW_BODY_COLUMN: Final = "_idem_raw_body"
 """Column ``idem run`` adds: a source line Spark could not parse (its corrupt record), which
 becomes the dead letter's body."""
 
-BOOKKEEPING_COLUMNS: Final = (*RETRY_COLUMNS, MALFORMED_COLUMN, RAW_BODY_COLUMN)
+SOURCE_ID_COLUMN: Final = "_idem_source_id"
+"""Column ``idem run``'s Kafka source adds: the record's message id (``<topic>-<partition>-
+<offset>``). Bookkeeping, so a producer's resend (another offset) has the same payload."""
+
+BOOKKEEPING_COLUMNS: Final = (*RETRY_COLUMNS, MALFORMED_COLUMN, RAW_BODY_COLUMN, SOURCE_ID_COLUMN)
 """Every column idem adds to the rows: never part of a payload, a fingerprint or a sink."""
 
 SCHEMA_PROPERTY: Final = "IDEM_SCHEMA"

@@ -1,6 +1,7 @@
 """The ready pipeline behind ``idem run`` (and ``idem demo``).
 
-JSON-lines files in a directory are read as a Spark stream, unioned with the
+JSON-lines files in a directory (or the JSON values of a Kafka topic:
+:mod:`idem.spark.kafka_source`) are read as a Spark stream, unioned with the
 group's retry stream, and written through :class:`ExactlyOnce` to a Delta
 sink table (its own ledger) and/or a user function. A line that is not valid
 JSON for the schema is dead-lettered with the line as its body. The query is restartable
@@ -43,6 +44,15 @@ from idem.retry.engine import RetryEngine
 from idem.spark.decorator import ExactlyOnce
 from idem.spark.faults import CrashPlan
 from idem.spark.file_source import file_rows, source_schema
+from idem.spark.kafka_source import (
+    check_reachable,
+    is_kafka,
+    kafka_rows,
+    kafka_schema,
+    parse_options,
+    parse_source,
+)
+from idem.spark.messages import SOURCE_ID_COLUMN
 from idem.spark.retry_source import retry_stream
 from idem.spark.sink_result import SinkFunction
 from idem.spark.stats import StatsStore, Totals
@@ -133,6 +143,8 @@ class RunSpec:
     leases: bool | None = None
     """Whether claims take leases in Redis (``None``: only with a function sink; pass
     ``True`` when another writer of the group runs a function sink or a consumer)."""
+    kafka_options: tuple[str, ...] = ()
+    """``KEY=VALUE`` settings of the Kafka reader (a ``kafka://`` source only)."""
 
     def __post_init__(self) -> None:
         if self.timeout_seconds is not None and not (
@@ -149,6 +161,15 @@ class RunSpec:
             raise ConfigError(
                 f"--max-files-per-trigger: must be at least 1, got {self.max_files_per_trigger}"
             )
+        if is_kafka(self.source):
+            parse_options(self.kafka_options)
+            if self.max_files_per_trigger is not None:
+                raise ConfigError(
+                    "--max-files-per-trigger: a kafka:// source has no files; "
+                    "use --kafka-option maxOffsetsPerTrigger=N"
+                )
+        elif self.kafka_options:
+            raise ConfigError("--kafka-option: only with a kafka:// --source")
 
     def checkpoint_dir(self, config: IdemConfig) -> str:
         """The checkpoint directory (default ``<data_dir>/<group>/checkpoint``)."""
@@ -215,7 +236,11 @@ class RunReport:
 
 
 def check_source(source: str) -> None:
-    """``--source`` names a directory (an empty path would be the working directory)."""
+    """``--source`` names a directory (an empty path would be the working directory), or a
+    Kafka topic whose brokers take connections (``kafka://HOST:PORT/TOPIC``)."""
+    if is_kafka(source):
+        check_reachable(parse_source(source))
+        return
     if not source:
         raise ConfigError("--source: the path is empty; name the directory of JSON-lines files")
     if Path(source).is_file():
@@ -324,9 +349,9 @@ class Pipeline:
             key=spec.key,
             client=self.client,
             sink_table=spec.sink_delta,
-            topic=spec.topic,
+            topic=_topic(spec),
             idempotency_column=spec.idempotency_column if fn is not None else None,
-            msg_id=spec.msg_id_field,
+            msg_id=spec.msg_id_field or (SOURCE_ID_COLUMN if is_kafka(spec.source) else None),
             crash_plan=crash_plan,
             leases=spec.leases,
         )
@@ -337,20 +362,33 @@ class Pipeline:
         """Start the query: ``trigger_seconds`` apart, or ``None`` for Spark's AvailableNow;
         ``new_files=False`` lets the file source take no file (retries only)."""
         spec = self.spec
-        schema = source_schema(
-            self.spark,
-            source=spec.source,
-            ddl=spec.schema,
-            checkpoint=self.checkpoint,
-            fields={"--key": spec.key, "--msg-id-field": spec.msg_id_field},
-        )
-        rows = file_rows(
-            self.spark,
-            schema,
-            source=spec.source,
-            max_files_per_trigger=spec.max_files_per_trigger,
-            new_files=new_files,
-        )
+        fields = {"--key": spec.key, "--msg-id-field": spec.msg_id_field}
+        if is_kafka(spec.source):
+            # A Kafka query waiting for retries takes new records too (new_files is moot).
+            schema = kafka_schema(
+                self.spark, ddl=spec.schema, checkpoint=self.checkpoint, fields=fields
+            )
+            rows = kafka_rows(
+                self.spark,
+                schema,
+                source=parse_source(spec.source),
+                options=parse_options(spec.kafka_options),
+            )
+        else:
+            schema = source_schema(
+                self.spark,
+                source=spec.source,
+                ddl=spec.schema,
+                checkpoint=self.checkpoint,
+                fields=fields,
+            )
+            rows = file_rows(
+                self.spark,
+                schema,
+                source=spec.source,
+                max_files_per_trigger=spec.max_files_per_trigger,
+                new_files=new_files,
+            )
         stream = rows.unionByName(
             retry_stream(self.spark, schema=schema, config=self.sink.config),
             allowMissingColumns=True,
@@ -472,6 +510,13 @@ class Pipeline:
 
 
 _CAUSE = re.compile(r"^(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: |^\w*(?:Error|Exception)\w*: ")
+
+
+def _topic(spec: RunSpec) -> str:
+    """The topic recorded on the messages: ``--topic``, else a Kafka source's own topic."""
+    if spec.topic == RunSpec.topic and is_kafka(spec.source):
+        return parse_source(spec.source).topic
+    return spec.topic
 
 
 def root_cause(text: str) -> str:

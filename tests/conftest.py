@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 from jvm_jars import IN_CI, delta_spark_conf, require_jars
+from kafka_broker import KafkaBroker
 from pyspark.sql import SparkSession
 from redis_backends import RealRedis, flushed_client
 
@@ -134,3 +135,14 @@ def spark() -> Iterator[SparkSession]:
     session = local_session("idem-tests", fast_start=True, conf=delta_spark_conf(jars))
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    """One real single-node Kafka broker (KRaft) on loopback ports for the whole run."""
+    broker = KafkaBroker(require_jars("kafka-broker", "kafka_2.13"))
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.stop()

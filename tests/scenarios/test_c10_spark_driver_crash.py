@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from deltalake import DeltaTable
+from jvm_jars import jar_cache, require_jars
 from redis_backends import RealRedis
 
 from idem.ledger import read_table
@@ -106,18 +107,45 @@ def _report(tmp: Path) -> dict[str, Any]:
     return report
 
 
+def _writers(path: Path) -> set[str]:
+    """Which Delta engines wrote the table: each commit's ``engineInfo`` names its writer."""
+    found = set()
+    for commit in (path / "_delta_log").glob("*.json"):
+        for line in commit.read_text().splitlines():
+            info = json.loads(line).get("commitInfo", {}).get("engineInfo")
+            if info:
+                found.add("Delta-Lake" if "Delta-Lake/" in info else "delta-rs")
+    return found
+
+
 def _delta_versions(path: Path) -> int:
     log = path / "_delta_log"
     return len(list(log.glob("*.json"))) if log.is_dir() else 0
 
 
+def _engine_args(engine: str) -> list[str]:
+    """``idem run``'s flags for the ledger ``engine``: delta-spark gets Delta's jars."""
+    if engine == "delta-spark":
+        require_jars("spark", "delta-spark_")
+        return ["--engine", engine, "--jars", str(jar_cache() / "spark")]
+    return ["--engine", engine]
+
+
+@pytest.mark.parametrize(
+    ("real_backend", "engine"),
+    [("redis-server", "delta-rs"), ("redis-cluster", "delta-rs"), ("redis-server", "delta-spark")],
+    indirect=["real_backend"],
+)
 def test_c10_delta_sink_survives_driver_kills_with_every_key_exactly_once(
-    real_backend: RealRedis, tmp_path: Path
+    real_backend: RealRedis, tmp_path: Path, engine: str
 ) -> None:
-    """On a redis-server and on a 3-primary Cluster (the backend's client comes flushed)."""
+    """On a redis-server and on a 3-primary Cluster (the backend's client comes flushed),
+    the ledger written by delta-rs; and on a redis-server by delta-spark, through the Spark
+    session ``idem run`` starts with Delta's jars (the ledger engine does not depend on
+    the Redis deployment)."""
     keys = _files(tmp_path / "in")
     sink = tmp_path / "sink"
-    args = ["--sink-delta", str(sink)]
+    args = ["--sink-delta", str(sink), *_engine_args(engine)]
     url, group = real_backend.url, "c10-delta"
 
     for point in ("after_claim@1", "after_commit@3"):
@@ -137,6 +165,8 @@ def test_c10_delta_sink_survives_driver_kills_with_every_key_exactly_once(
     assert report["sink"]["exactly_once"] is True
     assert report["pending_retries"] == 0
     assert report["replayed_batches"] >= 2
+    assert f"ledger engine: {engine}" in out
+    assert _writers(sink) == {"Delta-Lake" if engine == "delta-spark" else "delta-rs"}
 
 
 def test_c10_file_sink_repeats_only_with_the_same_idempotency_key_and_counts_them(

@@ -46,6 +46,19 @@ def sink_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def engines_of(path: str | Path) -> set[str]:
+    """Which Delta engines wrote the table's commits (from each commit's ``engineInfo``):
+    ``delta-rs`` or ``delta-spark``."""
+    found = set()
+    for commit in sorted((Path(path) / "_delta_log").glob("*.json")):
+        for line in commit.read_text(encoding="utf-8").splitlines():
+            info = json.loads(line).get("commitInfo")
+            if info is not None:
+                engine = str(info.get("engineInfo") or info.get("clientVersion") or "")
+                found.add("delta-spark" if "Delta-Lake/" in engine else "delta-rs")
+    return found
+
+
 def dead_letters(config: IdemConfig) -> list[DeadLetter]:
     """The group's ``%DLQ%<group>`` rows."""
     return DeadLetterTable(config.resolved_dlq_path, config.group).list()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +119,51 @@ def test_demo_sizes_it_cannot_be_made_of_are_exit_2_naming_the_flag(
     code, err = _run(capsys, "demo", "--files", "0")
     assert code == 2
     assert err.strip() == "idem: error: --files: the demo needs at least 1 file, got 0"
+
+
+def test_jars_that_are_not_there_are_exit_2_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # refused before Redis is even tried
+    common = [
+        "run", "--source", str(tmp_path), "--key", "id", "--group", "g", "--redis-url", url,
+        "--sink-delta", str(tmp_path / "sink"), "--engine", "delta-spark",
+    ]  # fmt: skip
+    missing = tmp_path / "delta-jars"
+    code, err = _run(capsys, *common, "--jars", str(missing))
+    assert code == 2
+    assert f"--jars: {missing} is neither a jar file nor a directory" in err
+    missing.mkdir()
+    code, err = _run(capsys, *common, "--jars", f"{missing},")
+    assert code == 2
+    assert f"--jars: directory {missing} holds no .jar file" in err
+
+
+@pytest.mark.spark
+def test_the_delta_spark_engine_on_a_session_without_deltas_jars_is_exit_2_naming_them(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Spark starts a session whose extension class is missing with a warning only: the
+    run failed later, in its first batch, with a class Spark could not find."""
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "a.json").write_text('{"order_id": "A"}\n', encoding="utf-8")
+    command = [
+        sys.executable, "-m", "idem.cli", "run", "--source", str(source), "--key", "order_id",
+        "--group", "no-jars", "--redis-url", redis_server.url, "--data-dir", str(tmp_path),
+        "--sink-delta", str(tmp_path / "sink"), "--available-now", "--engine", "delta-spark",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEM_", "PYSPARK_SUBMIT"))}
+    done = subprocess.run(
+        command, check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (
+        "idem: error: --engine: delta-spark cannot run on this Spark session: Delta's jars "
+        "are not on the session's classpath"
+    ) in done.stderr
+    assert "pass them with --jars" in done.stderr
+    assert not (tmp_path / "sink").exists()
 
 
 @pytest.mark.spark

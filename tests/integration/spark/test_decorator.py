@@ -16,7 +16,15 @@ import redis
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
-from spark_helpers import config_for, dead_letters, order, sink_key_counts, sink_rows, write_files
+from spark_helpers import (
+    config_for,
+    dead_letters,
+    engines_of,
+    order,
+    sink_key_counts,
+    sink_rows,
+    write_files,
+)
 
 from idem.cli import build_parser
 from idem.config import MismatchPolicy
@@ -69,9 +77,13 @@ class Recorder:
 
 
 def test_only_fresh_rows_reach_the_delta_sink_table_which_is_its_own_ledger(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "decorated")
+    config = config_for(tmp_path, redis_server.url, "decorated", engine=ledger_engine)
     sink = delta_sink(str(tmp_path / "orders"), key="order_id", config=config, client=real_redis)
     sink.query_id = "q1"
     first = sink.process(_df(spark, "A", "B", "A"), 0)
@@ -87,12 +99,17 @@ def test_only_fresh_rows_reach_the_delta_sink_table_which_is_its_own_ledger(
     assert row["tags"] == ["a", "C"]
     assert row["batch_id"] == 1
     assert row["owner"] == "q1:1"
+    assert engines_of(tmp_path / "orders") == {ledger_engine}
 
 
 def test_a_replayed_batch_of_the_delta_sink_writes_each_key_once(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "replayed")
+    config = config_for(tmp_path, redis_server.url, "replayed", engine=ledger_engine)
     for point in (CrashPoint.AFTER_SINK, CrashPoint.AFTER_COMMIT):
         table = tmp_path / point.value
         sink = ExactlyOnce(
@@ -110,9 +127,13 @@ def test_a_replayed_batch_of_the_delta_sink_writes_each_key_once(
 
 
 def test_the_delta_sink_takes_no_leases_and_another_query_is_not_held_up_by_a_crashed_one(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "noleases")
+    config = config_for(tmp_path, redis_server.url, "noleases", engine=ledger_engine)
     table = str(tmp_path / "orders")
 
     def sink(query: str, crash: CrashPlan | None = None) -> ExactlyOnce:
@@ -375,10 +396,18 @@ def test_failed_rows_come_back_through_the_retry_stream_with_their_typed_columns
 
 
 def test_a_completed_key_with_a_different_payload_is_dead_lettered_when_asked(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
     config = config_for(
-        tmp_path, redis_server.url, "mismatch", mismatch_policy=MismatchPolicy.DEAD_LETTER
+        tmp_path,
+        redis_server.url,
+        "mismatch",
+        mismatch_policy=MismatchPolicy.DEAD_LETTER,
+        engine=ledger_engine,
     )
     sink = ExactlyOnce(
         None, config=config, key="order_id", client=real_redis,
@@ -465,10 +494,14 @@ def test_a_busy_key_comes_back_without_counting_toward_the_dead_letter_limit(
 
 
 def test_a_replay_that_accepts_a_row_the_first_attempt_rejected_still_writes_it(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
     """Spark replays a batch under the same id; the sink's verdicts may differ the second time."""
-    config = config_for(tmp_path, redis_server.url, "verdicts")
+    config = config_for(tmp_path, redis_server.url, "verdicts", engine=ledger_engine)
     calls: list[int] = []
 
     def fail_a_once(fresh: DataFrame, batch_id: int) -> list[str]:
@@ -648,9 +681,13 @@ def test_a_sink_object_keeps_its_own_attributes_and_gets_the_batchs_column_types
 
 
 def test_a_delta_sink_of_rows_that_are_only_their_key_writes_them(
-    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "bare")
+    config = config_for(tmp_path, redis_server.url, "bare", engine=ledger_engine)
     sink = delta_sink(str(tmp_path / "keys"), key="key", config=config, client=real_redis)
     sink.query_id = "q"
     first = sink.process(spark.createDataFrame([("A",), ("B",), ("A",)], "key string"), 0)

@@ -12,7 +12,15 @@ import pytest
 import redis
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, dead_letters, delta_run, order, sink_key_counts, write_files
+from spark_helpers import (
+    config_for,
+    dead_letters,
+    delta_run,
+    engines_of,
+    order,
+    sink_key_counts,
+    write_files,
+)
 
 from idem.cli import main
 from idem.config import IdemConfig
@@ -63,10 +71,14 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
     real_redis: redis.Redis,
     redis_server: RedisServer,
     tmp_path: Path,
+    *,
     capsys: pytest.CaptureFixture[str],
+    ledger_engine: str,
 ) -> None:
     write_files(tmp_path / "in", [[order(1), order(2), order(3)]])
-    config = config_for(tmp_path, redis_server.url, "replay", max_reconsume_times=1)
+    config = config_for(
+        tmp_path, redis_server.url, "replay", max_reconsume_times=1, engine=ledger_engine
+    )
     sink = PricingSink()
     spec = delta_run(tmp_path)
 
@@ -112,6 +124,7 @@ def test_replaying_a_fixed_poison_row_applies_it_once_and_again_applies_nothing(
     assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1, "ORDERID_2": 1, "ORDERID_3": 1}
     assert report.totals.duplicates.get("completed", 0) >= 1
     assert report.pending_retries == 0
+    assert engines_of(tmp_path / "sink") == {ledger_engine}
 
 
 def _letter(i: int) -> DeadLetter:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 from pyspark.sql import DataFrame, SparkSession
-from spark_helpers import config_for, order, sink_key_counts, write_files
+from spark_helpers import config_for, engines_of, order, sink_key_counts, write_files
 
 from idem.redis_server import RedisServer
 from idem.spark.run import Pipeline, RunSpec
@@ -38,13 +38,15 @@ def test_duplicates_in_a_batch_across_batches_and_across_files_reach_the_sink_on
     real_redis: redis.Redis,
     redis_server: RedisServer,
     tmp_path: Path,
+    *,
     sink_kind: str,
+    ledger_engine: str,
 ) -> None:
     first = [order(1), order(2), order(3), order(1), order(4)]  # ORDERID_1 twice in one batch
     second = [order(3), order(5), order(6)]  # ORDERID_3 again, in the next batch
     third = [*first, order(7)]  # the first file delivered again (a redelivery)
     write_files(tmp_path / "in", [first, second, third])
-    config = config_for(tmp_path, redis_server.url, f"dups-{sink_kind}")
+    config = config_for(tmp_path, redis_server.url, f"dups-{sink_kind}", engine=ledger_engine)
     collect = Collect()
     spec = RunSpec(
         source=str(tmp_path / "in"),
@@ -64,6 +66,8 @@ def test_duplicates_in_a_batch_across_batches_and_across_files_reach_the_sink_on
     report = pipeline.run()
 
     expected = {f"ORDERID_{n}": 1 for n in range(1, 8)}
+    ledger = tmp_path / "sink" if sink_kind == "delta" else config.resolved_ledger_path
+    assert engines_of(ledger) == {ledger_engine}
     if sink_kind == "delta":
         assert sink_key_counts(tmp_path / "sink") == expected
         assert report.sink is not None
