@@ -19,6 +19,7 @@ import pytest
 import idem
 from idem.cli import _OPTIONAL, build_parser
 from idem.extras import DISTRIBUTION
+from idem.spark.cli import register as register_spark_commands
 
 pytestmark = pytest.mark.unit
 
@@ -79,13 +80,15 @@ def test_idem_version_prints_the_package_version(capsys: pytest.CaptureFixture[s
 
 
 def test_the_commands_listed_without_pyspark_are_the_ones_the_spark_layer_adds() -> None:
-    parser = build_parser()
+    parser = argparse.ArgumentParser(prog="idem")
+    register_spark_commands(parser.add_subparsers())
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    spark_commands = set(_OPTIONAL["idem.spark.cli"].commands)
-    assert spark_commands <= set(commands)
-    # with PySpark installed they are the real commands, which take --help
-    for name in spark_commands:
-        assert any("-h" in a.option_strings for a in commands[name]._actions), name
+    assert set(commands) == set(_OPTIONAL["idem.spark.cli"].commands)
+    # and with PySpark installed the full parser has the real ones, which take --help
+    full = build_parser()
+    real = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name in commands:
+        assert any("-h" in a.option_strings for a in real[name]._actions), name
 
 
 def test_the_core_imports_without_pyspark() -> None:
