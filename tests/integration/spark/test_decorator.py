@@ -396,18 +396,10 @@ def test_failed_rows_come_back_through_the_retry_stream_with_their_typed_columns
 
 
 def test_a_completed_key_with_a_different_payload_is_dead_lettered_when_asked(
-    spark: SparkSession,
-    real_redis: redis.Redis,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    ledger_engine: str,
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     config = config_for(
-        tmp_path,
-        redis_server.url,
-        "mismatch",
-        mismatch_policy=MismatchPolicy.DEAD_LETTER,
-        engine=ledger_engine,
+        tmp_path, redis_server.url, "mismatch", mismatch_policy=MismatchPolicy.DEAD_LETTER
     )
     sink = ExactlyOnce(
         None, config=config, key="order_id", client=real_redis,
@@ -494,14 +486,10 @@ def test_a_busy_key_comes_back_without_counting_toward_the_dead_letter_limit(
 
 
 def test_a_replay_that_accepts_a_row_the_first_attempt_rejected_still_writes_it(
-    spark: SparkSession,
-    real_redis: redis.Redis,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    ledger_engine: str,
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """Spark replays a batch under the same id; the sink's verdicts may differ the second time."""
-    config = config_for(tmp_path, redis_server.url, "verdicts", engine=ledger_engine)
+    config = config_for(tmp_path, redis_server.url, "verdicts")
     calls: list[int] = []
 
     def fail_a_once(fresh: DataFrame, batch_id: int) -> list[str]:
@@ -681,13 +669,9 @@ def test_a_sink_object_keeps_its_own_attributes_and_gets_the_batchs_column_types
 
 
 def test_a_delta_sink_of_rows_that_are_only_their_key_writes_them(
-    spark: SparkSession,
-    real_redis: redis.Redis,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    ledger_engine: str,
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "bare", engine=ledger_engine)
+    config = config_for(tmp_path, redis_server.url, "bare")
     sink = delta_sink(str(tmp_path / "keys"), key="key", config=config, client=real_redis)
     sink.query_id = "q"
     first = sink.process(spark.createDataFrame([("A",), ("B",), ("A",)], "key string"), 0)

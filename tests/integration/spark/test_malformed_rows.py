@@ -310,17 +310,13 @@ def test_a_row_that_does_not_fit_the_sink_tables_types_is_dead_lettered_the_rest
 
 
 def test_a_batch_lacking_a_column_or_naming_one_in_another_case_lands_as_delta_writes_it(
-    spark: SparkSession,
-    real_redis: redis.Redis,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    ledger_engine: str,
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """A later batch lacks the table's ``note`` column, another names ``amount`` as
     ``AMOUNT``. Delta fills a missing nullable column with null, and its names are
     case-insensitive. Before, the commit failed (``number of fields does not match: 16 vs
     17``; ``Duplicate field name (case-insensitive)``), and so did every replay."""
-    config = config_for(tmp_path, redis_server.url, "columns", engine=ledger_engine)
+    config = config_for(tmp_path, redis_server.url, "columns")
     table = tmp_path / "sink"
     sink = ExactlyOnce(
         None, config=config, key="order_id", client=real_redis, sink_table=str(table)

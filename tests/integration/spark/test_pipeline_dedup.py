@@ -32,7 +32,11 @@ class Collect:
         self.rows += fresh.toArrow().to_pylist()
 
 
-@pytest.mark.parametrize("sink_kind", ["delta", "function"])
+@pytest.mark.parametrize(
+    ("sink_kind", "ledger_engine"),
+    [("delta", "delta-rs"), ("function", "delta-rs"), ("delta", "delta-spark")],
+    indirect=["ledger_engine"],
+)
 def test_duplicates_in_a_batch_across_batches_and_across_files_reach_the_sink_once(
     spark: SparkSession,
     real_redis: redis.Redis,
