@@ -36,6 +36,9 @@ LOCAL_DEFAULTS: Mapping[str, str] = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.sql.streaming.stopGracefullyOnShutdown": "false",
     "spark.sql.adaptive.enabled": "false",
+    # Delta rebuilds a table's state in this many partitions (50 by default): on one
+    # machine each is a task, and a small MERGE spent most of its time there.
+    "spark.databricks.delta.snapshotPartitions": "2",
 }
 """Settings applied by :func:`local_session` unless the caller overrides them."""
 
