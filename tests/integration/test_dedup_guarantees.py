@@ -28,8 +28,11 @@ pytestmark = pytest.mark.integration
 
 
 def _config(tmp_path: Path, url: str, **extra: object) -> IdemConfig:
+    # delta-rs named, not auto: the workers run in processes without the test run's Spark
+    # session, and one ledger table has one writer engine.
+    settings: dict[str, object] = {"engine": "delta-rs", **extra}
     return IdemConfig(
-        group="orders", redis_url=url, data_dir=str(tmp_path / "data"), buckets=8, **extra
+        group="orders", redis_url=url, data_dir=str(tmp_path / "data"), buckets=8, **settings
     )
 
 
