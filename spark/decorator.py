@@ -34,12 +34,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-from pyspark.sql import Column
+from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.config import IdemConfig, MismatchPolicy
+from idem.config import IdemConfig, LedgerEngine, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
 from idem.ledger.schema import LEDGER_SCHEMA
@@ -49,6 +49,7 @@ from idem.retry.engine import RetryEngine
 from idem.spark.batch import BatchRun
 from idem.spark.faults import CrashPlan, CrashPoint, crash_point
 from idem.spark.fit import fit_rows
+from idem.spark.ledger_engine import engine_for_session
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
     DEFAULT_TOPIC,
@@ -141,9 +142,19 @@ class ExactlyOnce:
     def dedup(self) -> Dedup:
         """The group's dedup protocol object."""
         if self._dedup is None:
-            self._dedup = Dedup(self.config, client=self.client, clock=self.clock)
+            self._dedup = Dedup(self._ledger_config(), client=self.client, clock=self.clock)
             self._dedup.check()
         return self._dedup
+
+    def _ledger_config(self) -> IdemConfig:
+        """The config with ``auto`` resolved on the active Spark session: delta-spark where
+        the session runs it, else delta-rs (see ``idem.spark.ledger_engine``)."""
+        if self.config.engine is not LedgerEngine.AUTO:
+            return self.config
+        session = SparkSession.getActiveSession()
+        if session is None:
+            return self.config.with_changes(engine=LedgerEngine.DELTA_RS)
+        return self.config.with_changes(engine=engine_for_session(LedgerEngine.AUTO, session))
 
     def close(self) -> None:
         """Finish the last batch's background Redis index update (call when the query ends).

@@ -232,9 +232,11 @@ def open_ledger(
     """The ledger of ``config.group`` at ``config.resolved_ledger_path``.
 
     ``engine`` (``auto``, ``delta-rs``, ``delta-spark``) overrides
-    ``config.engine``. ``auto`` picks delta-spark when the active Spark session
-    was checked to run it (:func:`spark_delta_session`), otherwise delta-rs,
-    which needs no JVM jars. ``delta-spark`` without such a session is a
+    ``config.engine``. Here ``auto`` is delta-rs, which needs no JVM jars: a
+    consumer or ``@idempotent`` keeps its ledger in its own process even where a
+    Spark session runs beside it. The Spark glue resolves ``auto`` itself, to
+    delta-spark on a session checked to run it (``idem.spark.ledger_engine``).
+    ``delta-spark`` without such a session (:func:`spark_delta_session`) is a
     :class:`ConfigError` naming what is missing. A table written by the other
     engine is refused when it is opened.
     """
@@ -246,7 +248,7 @@ def open_ledger(
     identity = LedgerIdentity(config.group, config.buckets)
     # Strict mode matches against the whole window; index mode passes the lease horizon.
     window_ms = config.dedup_window_ms
-    if chosen is not LedgerEngine.DELTA_RS:
+    if chosen is LedgerEngine.DELTA_SPARK:
         session = spark_delta_session()
         if session is not None:
             from idem.ledger.spark_engine import SparkDeltaLedger  # noqa: PLC0415 -- needs JVM
@@ -259,8 +261,7 @@ def open_ledger(
                 identity=identity,
                 **engine_options,
             )
-        if chosen is LedgerEngine.DELTA_SPARK:
-            raise ConfigError(f"engine: delta-spark needs {_missing_for_delta_spark()}")
+        raise ConfigError(f"engine: delta-spark needs {_missing_for_delta_spark()}")
     from idem.ledger.deltars import DeltaLedger  # noqa: PLC0415 -- deltars imports this module
 
     return DeltaLedger(
