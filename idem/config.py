@@ -52,7 +52,9 @@ class LedgerEngine(StrEnum):
     """Which Delta engine writes and reads the ledger (one table has one writer engine)."""
 
     AUTO = "auto"
-    """delta-spark when the active Spark session was checked to run it, else delta-rs."""
+    """In a Spark job (the decorator, ``idem run``), delta-spark when its session was
+    checked to run it, else delta-rs; delta-rs for ``Dedup``, ``@idempotent`` and the
+    consumer."""
     DELTA_RS = "delta-rs"
     """delta-rs in the Python process: no JVM jars; the embedded and single-machine engine."""
     DELTA_SPARK = "delta-spark"
@@ -129,7 +131,8 @@ class IdemConfig:
     dedup_window_ms: int = 7 * DAY_MS
     mode: DedupMode = DedupMode.INDEX
     engine: LedgerEngine = LedgerEngine.AUTO
-    """The ledger's Delta engine; ``auto`` picks delta-spark only on a session checked to run it."""
+    """The ledger's Delta engine; ``auto`` picks delta-spark only in a Spark job whose session
+    was checked to run it."""
     delay_levels: DelayLevels = field(default_factory=DelayLevels.parse)
     max_reconsume_times: int = DEFAULT_MAX_RECONSUME_TIMES
     consume_timeout_ms: int = 15 * MINUTE_MS
