@@ -799,8 +799,13 @@ def test_a_table_has_one_writer_engine(
     with pytest.raises(ConfigError, match=r"is written by delta-rs, not delta-spark"):
         spark_ledger("by-delta-rs").version()
 
+    from idem.config import LedgerEngine
+    from idem.spark.ledger_engine import engine_for_session
+
     config = IdemConfig(group="orders", data_dir=str(tmp_path / "spark-group"), buckets=BUCKETS)
-    ledger = open_ledger(config)  # auto, in a session checked to run delta-spark
+    assert type(open_ledger(config)).__name__ == "DeltaLedger"  # the core's auto
+    engine = engine_for_session(LedgerEngine.AUTO, spark)  # the Spark glue's auto
+    ledger = open_ledger(config, engine)
     assert type(ledger).__name__ == "SparkDeltaLedger"
     commit(ledger, ["A"], clock)
     with pytest.raises(ConfigError, match=r"is written by delta-spark, not delta-rs"):
