@@ -3,7 +3,7 @@
 A page holding ``<!-- generated: config -->`` gets the table of :class:`idem.IdemConfig`'s
 settings (name, type, default, ``IDEM_*`` variable, meaning); one holding
 ``<!-- generated: cli -->`` gets the help of every ``idem`` subcommand, taken from the
-argparse parser the console script builds. Both are made at build time, so they say
+click command tree the console script runs. Both are made at build time, so they say
 what the installed code does, never what it did when a page was written.
 
 The repository's deployment guide, ``deploy/README.md``, is added to the site as the
@@ -18,28 +18,27 @@ warning, which fails ``mkdocs build --strict``.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import enum
 import itertools
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+import click
 from mkdocs.structure.files import File
 
 from idem import config as idem_config
-from idem.cli import build_parser
+from idem.cli import build_cli
 
 log = logging.getLogger("mkdocs.hooks.idem")
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_MARK = "<!-- generated: config -->"
 CLI_MARK = "<!-- generated: cli -->"
-HELP_WIDTH = "100"
+HELP_WIDTH = 100
 
 
 RECIPES_PAGE = "deploy-recipes.md"
@@ -184,25 +183,28 @@ def config_table() -> str:
 # -- command line ----------------------------------------------------------------------
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
-    subs: list[tuple[str, argparse.ArgumentParser]] = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            subs.extend(action.choices.items())
-    return subs
-
-
 def cli_reference() -> str:
     """Every ``idem`` command's ``--help``, one section each, in the order of ``idem --help``."""
-    os.environ["COLUMNS"] = HELP_WIDTH  # argparse wraps to the terminal: make it stable
     out: list[str] = []
 
-    def walk(parser: argparse.ArgumentParser, path: list[str], depth: int) -> None:
+    def walk(command: click.Command, path: list[str], depth: int, parent: Any) -> None:
         name = " ".join(path)
+        # a fixed width: click wraps to the terminal otherwise
+        ctx = command.make_context(
+            path[-1],
+            [],
+            parent=parent,
+            resilient_parsing=True,  # no required flag is missing: only help is wanted
+            terminal_width=HELP_WIDTH,
+            max_content_width=HELP_WIDTH,
+        )
         out.append(f"{'#' * min(depth, 4)} `{name}`\n")
-        out.append(f"```text\n{parser.format_help().rstrip()}\n```\n")
-        for sub_name, sub in _subcommands(parser):
-            walk(sub, [*path, sub_name], depth + 1)
+        out.append(f"```text\n{command.get_help(ctx).rstrip()}\n```\n")
+        if isinstance(command, click.Group):
+            for sub_name in command.list_commands(ctx):
+                sub = command.get_command(ctx, sub_name)
+                if sub is not None:
+                    walk(sub, [*path, sub_name], depth + 1, ctx)
 
-    walk(build_parser(), ["idem"], 2)
+    walk(build_cli(), ["idem"], 2, None)
     return "\n".join(out)

@@ -1,38 +1,65 @@
 """The ``idem`` command line.
 
-Subcommands are contributed by each layer through a ``register(subparsers)``
-function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
-``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
-looked up by name so the core does not import the layers built on it. When a
-layer's optional dependency is not installed (PySpark for ``idem.spark.cli``), its
-commands are still listed, and running one says what to install (exit 2).
+Commands are contributed by each layer through a ``register(group)`` function that
+adds its click commands to the ``idem`` group: the core's own (``ledger``, ``index``,
+``acl``), ``idem.retry.cli`` (``schedule``, ``retry``) and ``idem.spark.cli``
+(``demo``, ``run``, ``dlq``). The layers are looked up by name so the core does not
+import the layers built on it. When a layer's optional dependency is not installed
+(PySpark for ``idem.spark.cli``), its commands are still listed, and running one says
+what to install (exit 2).
 
-Exit codes, the same for every subcommand: 0 done; 1 an idem error (the
-message says which) or, for ``ledger audit``, keys held more than once; 2 bad
-arguments or settings (the message names the flag and the limit); 3 Redis
-unreachable or failing; 4 the exactly-once check failed (``demo``, ``run
---check``); 130 interrupted.
+Exit codes, the same for every command: 0 done; 1 an idem error (the message says
+which) or, for ``ledger audit``, keys held more than once; 2 bad arguments or settings
+(the message names the flag and the limit); 3 Redis unreachable or failing; 4 the
+exactly-once check failed (``demo``, ``run --check``); 130 interrupted.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import cast
 
+import click
 import redis
 
 from idem import __version__
-from idem.cli_args import in_flags
-from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.cli_command import (
+    CONTEXT_SETTINGS,
+    EXIT_CHECK_FAILED,
+    EXIT_CODES,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_REDIS,
+    EXIT_USAGE,
+    PARSE_ONLY,
+    PARSED,
+    Args,
+    IdemGroup,
+    configure_logging,
+    exit_code,
+)
 from idem.extras import install_hint
 
+__all__ = [
+    "EXIT_CHECK_FAILED",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_REDIS",
+    "EXIT_USAGE",
+    "LAYERS",
+    "build_cli",
+    "exit_code",
+    "main",
+    "parse_args",
+]
+
 LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.acl_cli", "idem.retry.cli", "idem.spark.cli")
-"""Modules that may contribute subcommands; a missing one is simply absent."""
+"""Modules that may contribute commands; a missing one is simply absent."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +82,9 @@ _OPTIONAL = {
         module="pyspark",
         what="PySpark",
         commands={
-            "demo": "run the whole pipeline on embedded defaults",
-            "run": "read JSON-lines files as a stream and write them exactly once",
-            "dlq": "the %%DLQ%%<group> table: ls, show, replay, discard",
+            "demo": "Run the whole pipeline on embedded defaults.",
+            "run": "Read JSON-lines files as a stream and write them exactly once.",
+            "dlq": "The %DLQ%<group> table: ls, show, replay, discard.",
         },
         extra="spark",
         extra_of={"demo": "demo"},
@@ -66,72 +93,26 @@ _OPTIONAL = {
 """Layers whose commands need more than the core: listed even when that is missing."""
 
 
-class _Registrar(Protocol):
-    def __call__(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None: ...
+Register = Callable[[click.Group], None]
+"""A layer's ``register``: adds its commands to the ``idem`` group."""
 
 
-Handler = Callable[[argparse.Namespace], int]
-"""A subcommand: sets ``func`` with ``parser.set_defaults(func=...)`` and returns an exit code."""
+def build_cli() -> click.Group:
+    """The ``idem`` group with every available layer's commands."""
 
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_REDIS = 3
-EXIT_CHECK_FAILED = 4
-EXIT_INTERRUPTED = 130
-
-_EPILOG = (
-    "exit codes: 0 done; 1 an idem error (ledger audit: keys held more than once); "
-    "2 bad arguments or settings; 3 Redis unreachable; 4 the exactly-once check failed; "
-    "130 interrupted"
-)
-
-
-def exit_code(error: IdemError) -> int:
-    """The exit code of a failure the user can act on (see the module's table)."""
-    if isinstance(error, ConfigError):
-        return EXIT_USAGE
-    if isinstance(error, StoreUnavailable):
-        return EXIT_REDIS
-    return EXIT_ERROR
-
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-_EXPLAINED = (IdemError, redis.RedisError)
-"""Failures whose message says what went wrong: logged without their traceback (``-v``
-shows it); any other exception is a bug, and its traceback is what a report needs."""
-
-
-class _Formatter(logging.Formatter):
-    """One line per record: an explained failure's traceback becomes its type and message."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, _EXPLAINED):
-            record = logging.makeLogRecord(
-                {
-                    **record.__dict__,
-                    "msg": f"{record.getMessage()} ({type(error).__name__}: {error})",
-                    "args": None,
-                    "exc_info": None,
-                    "exc_text": None,
-                }
-            )
-        return super().format(record)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser with every available layer's subcommands."""
-    parser = argparse.ArgumentParser(
-        prog="idem",
-        description="Exactly-once sinks on at-least-once delivery (dedup, retries, DLQ).",
-        epilog=_EPILOG,
+    @click.group(
+        "idem",
+        cls=IdemGroup,
+        help="Exactly-once sinks on at-least-once delivery (dedup, retries, DLQ).",
+        epilog=EXIT_CODES,
+        context_settings=CONTEXT_SETTINGS,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    @click.version_option(
+        __version__, "--version", prog_name="idem", message="%(prog)s %(version)s"
+    )
+    def cli() -> None:
+        pass
+
     for name in LAYERS:
         try:
             module = importlib.import_module(name)
@@ -140,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             optional = _OPTIONAL.get(name)
             if optional is not None and _missing(exc, optional.module):
-                _register_unavailable(subparsers, optional)
+                _register_unavailable(cli, optional)
                 continue
             raise
         register = getattr(module, "register", None)
         if register is not None:
-            cast(_Registrar, register)(subparsers)
-    return parser
+            cast(Register, register)(cli)
+    return cli
 
 
 def _missing(error: ModuleNotFoundError, module: str) -> bool:
@@ -154,47 +135,86 @@ def _missing(error: ModuleNotFoundError, module: str) -> bool:
     return error.name is not None and (error.name == module or error.name.startswith(module + "."))
 
 
-def _register_unavailable(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], layer: _OptionalLayer
-) -> None:
-    """List ``layer``'s commands; each one, run, names what to install and exits 2."""
+def _register_unavailable(cli: click.Group, layer: _OptionalLayer) -> None:
+    """List ``layer``'s commands; each one, run, names what to install and exits 2. It
+    takes any arguments: it is to say what to install, not that a flag is unknown."""
     for command, text in layer.commands.items():
         hint = install_hint(layer.extra_of.get(command, layer.extra))
         needs = f"needs {layer.what}: {hint}"
-        sub = subparsers.add_parser(
-            command, help=f"{text} ({needs})", description=f"{text}; {needs}", add_help=False
+        cli.add_command(
+            click.Command(
+                command,
+                help=f"{text} ({needs})",
+                short_help=f"{text} ({needs})",
+                callback=_unavailable(command, needs),
+                add_help_option=False,
+                context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+            )
         )
-        sub.set_defaults(func=_unavailable(command, needs), takes_any_arguments=True)
 
 
-def _unavailable(command: str, needs: str) -> Handler:
-    def run(args: argparse.Namespace) -> int:
+def _unavailable(command: str, needs: str) -> Callable[[], int]:
+    def run() -> int:
         print(f"idem: error: idem {command} {needs}", file=sys.stderr)
         return EXIT_USAGE
 
     return run
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``idem`` console script."""
-    parser = build_parser()
-    # an unavailable command takes any arguments: it is to say what to install, not that
-    # a flag of the command it stands in for is unknown
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "takes_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    handler = logging.StreamHandler()
-    handler.setFormatter((logging.Formatter if args.verbose else _Formatter)(_LOG_FORMAT))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
-    func = cast("Handler | None", getattr(args, "func", None))
-    if func is None:
-        parser.print_help()
-        return EXIT_USAGE
+def parse_args(argv: Sequence[str]) -> Args:
+    """The arguments ``idem argv`` would run its command with, without running it.
+
+    Raises :class:`click.UsageError` where ``idem argv`` would exit 2 on its arguments.
+    """
+    cli = build_cli()
+    with cli.make_context("idem", list(argv)) as ctx:
+        ctx.meta[PARSE_ONLY] = True
+        cli.invoke(ctx)
+        parsed = ctx.meta.get(PARSED)
+    if not isinstance(parsed, Args):
+        raise click.UsageError(f"idem {' '.join(argv)}: no command to run")
+    return parsed
+
+
+def _usage_message(error: click.UsageError) -> str:
+    """Click's refusal in idem's words: the flag first, then what is wrong with it."""
+    if isinstance(error, click.MissingParameter) and error.param is not None:
+        return f"{_param_name(error.param)}: required"
+    if isinstance(error, click.BadParameter) and error.param is not None:
+        return f"{_param_name(error.param)}: {error.message}"
+    message = error.format_message()
+    return message[:1].lower() + message[1:]
+
+
+def _param_name(param: click.Parameter) -> str:
+    if isinstance(param, click.Option):
+        return max(param.opts, key=len)
+    return param.human_readable_name
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0911 -- a return per exit code
+    """Entry point of the ``idem`` console script: runs ``argv`` (default: the process's
+    arguments) and returns the exit code, never exiting the process itself."""
+    configure_logging(verbose=False)
+    args = list(sys.argv[1:] if argv is None else argv)
+    cli = build_cli()
     try:
-        return func(args)
-    except IdemError as exc:
-        print(f"idem: error: {in_flags(args, exc)}", file=sys.stderr)
-        return exit_code(exc)
+        result = cli.main(args=args, prog_name="idem", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        if exc.ctx is not None:
+            print(exc.ctx.get_help())
+        return EXIT_USAGE
+    except click.UsageError as exc:
+        if exc.ctx is not None:
+            print(exc.ctx.get_usage(), file=sys.stderr)
+            print(f"Try '{exc.ctx.command_path} --help' for help.", file=sys.stderr)
+        print(f"idem: error: {_usage_message(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except click.exceptions.Abort:  # click's word for Ctrl-C (and EOF) while it runs
+        return EXIT_INTERRUPTED
+    except click.ClickException as exc:
+        print(f"idem: error: {exc.format_message()}", file=sys.stderr)
+        return exc.exit_code
     except redis.RedisError as exc:
         # a call the command made without wrapping it (a StoreUnavailable would say more);
         # still Redis unreachable or failing, not a bug: exit 3 in one line, as promised
@@ -202,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_REDIS
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    # --help and --version end in click's Exit, which standalone_mode=False returns as 0
+    return result if isinstance(result, int) else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,71 +1,44 @@
-"""Checks of command-line values shared by the ``idem`` subcommands.
+"""Settings and checks of command-line values shared by the ``idem`` commands.
 
-The argparse ``type=`` callables refuse a bad value while the command line is
-parsed (exit 2, argparse names the flag). The path checks run once a command has
-resolved its settings, before it touches Redis, Delta or Spark, and raise
-:class:`ConfigError` naming the flag (or the setting the path came from).
+A command's settings are its flags over ``IDEM_*`` over the defaults
+(:func:`config_of`). The path checks run once a command has resolved its settings,
+before it touches Redis, Delta or Spark, and raise :class:`ConfigError` naming the
+flag (or the setting the path came from).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import tempfile
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
-from idem.config import IdemConfig, LedgerEngine
+from idem.config import IdemConfig
 from idem.errors import ConfigError
-from idem.redis_client import redis_url_problem
 
 
-def redis_url(text: str) -> str:
-    """``--redis-url``: a URL :func:`idem.redis_client.connect` takes."""
-    problem = redis_url_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return text
-
-
-def positive_int(text: str) -> int:
-    """A whole number >= 1 (a batch size, a wait in ms)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """A whole number >= 0 (a retention in hours)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
-
-
-def add_engine_option(parser: argparse.ArgumentParser) -> None:
-    """``--engine``: the ledger's Delta engine, for a command that opens the ledger (unset:
-    ``IDEM_ENGINE``, else ``auto``, as :meth:`IdemConfig.from_env` resolves it)."""
-    parser.add_argument(
-        "--engine",
-        choices=[e.value for e in LedgerEngine],
-        help="the ledger's Delta engine: delta-rs (in this process, no JVM jars), "
-        "delta-spark (through the Spark session, which needs Delta's jars), or auto "
-        "(delta-spark on a Spark session with Delta's extension and jars, else delta-rs); "
-        "default: IDEM_ENGINE, else auto",
-    )
+def config_of(
+    args: SimpleNamespace, *, environ: Mapping[str, str] | None = None, **extra: Any
+) -> IdemConfig:
+    """The :class:`IdemConfig` of a command: its setting flags that were given (a flag
+    named after a setting, ``--data-dir`` for ``data_dir``), over ``IDEM_*``, over the
+    defaults; ``extra`` over all."""
+    names = {f.name for f in fields(IdemConfig)}
+    overrides: dict[str, Any] = {
+        name: value for name, value in vars(args).items() if name in names and value is not None
+    }
+    overrides.update(extra)
+    return IdemConfig.from_env(environ, **overrides)
 
 
 _SETTING = re.compile(r"([a-z][a-z_]*): ")
 
 
-def in_flags(args: argparse.Namespace, error: Exception) -> str:
+def in_flags(args: SimpleNamespace, error: Exception) -> str:
     """``error``'s message as a shell user reads it: a setting given as a flag is named
     by its flag (``delay_levels: ...`` becomes ``--delay-levels: ...``); a setting that
     came from ``IDEM_*`` or its default keeps its own name."""
@@ -93,7 +66,7 @@ def with_ledger_buckets(config: IdemConfig) -> IdemConfig:
     return config.with_changes(buckets=found.buckets)
 
 
-def path_flag(args: argparse.Namespace, setting: str) -> str:
+def path_flag(args: SimpleNamespace, setting: str) -> str:
     """The name to blame for a resolved path setting (``dlq_path``): its own flag when
     given (``--dlq-path``), else ``--data-dir`` it defaults under, else the setting itself
     (set by ``IDEM_*`` or the default)."""

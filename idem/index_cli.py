@@ -4,38 +4,43 @@ Redis is an index over the Delta ledger (docs/pages/protocol.md, "Step 3"). ``st
 per bucket, the ledger version Redis has indexed and how many completed keys it
 holds; ``rebuild`` reloads the dedup window from the ledger, e.g. to warm a new
 or flushed Redis before traffic returns (claims would otherwise rebuild each
-bucket on first use, in the batch that touches it). Both print JSON lines.
+bucket on first use, in the batch that touches it). Both print JSON with ``--json``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from typing import Any
 
-from idem.cli import EXIT_ERROR
-from idem.cli_args import check_table_path, path_flag, redis_url, with_ledger_buckets
-from idem.config import IdemConfig
+import click
+
+from idem.cli_args import check_table_path, config_of, path_flag, with_ledger_buckets
+from idem.cli_command import EXIT_ERROR, Args, IdemCommand, IdemGroup, handler
+from idem.cli_options import json_option, settings
+from idem.cli_output import emit_json, progress, say, table, warn, where
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
 
-_CONFIG_OPTIONS = ("group", "data_dir", "ledger_path", "redis_url")
 
-
-def _dedup(args: argparse.Namespace) -> tuple[Dedup, RedisHotStore]:
-    overrides: dict[str, Any] = {
-        name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
-    }
-    config = IdemConfig.from_env(**overrides)
+def _dedup(args: Args) -> tuple[Dedup, RedisHotStore]:
+    config = config_of(args)
     check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
     config = with_ledger_buckets(config)
     hot = RedisHotStore.from_config(config)
     return Dedup(config, hot=hot), hot
 
 
-def _status(args: argparse.Namespace) -> int:
+_INDEX = settings("group", "redis_url", "data_dir", "ledger_path")
+
+
+@click.command(
+    "status",
+    cls=IdemCommand,
+    help="Show the indexed ledger version and the completed keys held, per bucket.",
+)
+@_INDEX
+@json_option
+@handler
+def _status(args: Args) -> int:
     dd, hot = _dedup(args)
     version = dd.ledger.version()
     marks = hot.watermarks()
@@ -43,29 +48,47 @@ def _status(args: argparse.Namespace) -> int:
     states = [_state(marks[bucket], version) for bucket in range(hot.buckets)]
     behind = sum(state in ("missing", "behind") for state in states)
     ahead = states.count("ahead")
-    for bucket, state in enumerate(states):
-        print(
-            json.dumps(
-                {
-                    "bucket": bucket,
-                    "indexed_version": marks[bucket],
-                    "keys": held[bucket],
-                    "state": state,
-                }
-            )
+    buckets = [
+        {"bucket": bucket, "indexed_version": marks[bucket], "keys": held[bucket], "state": state}
+        for bucket, state in enumerate(states)
+    ]
+    if args.json:
+        emit_json(
+            {
+                "group": hot.group,
+                "ledger_path": dd.ledger.path,
+                "ledger_version": version,
+                "keys": sum(held.values()),
+                "to_catch_up": behind,
+                "ahead": ahead,
+                "buckets": buckets,
+            }
         )
-    print(
+    else:
+        table(
+            ["bucket", "indexed version", "keys", "state"],
+            [
+                (
+                    b["bucket"],
+                    "-" if b["indexed_version"] is None else b["indexed_version"],
+                    b["keys"],
+                    b["state"],
+                )
+                for b in buckets
+            ],
+        )
+    say(
+        args,
         f"idem index status: group {hot.group!r}, ledger version {version}, "
         f"{sum(held.values())} completed key(s) held, {behind} of {hot.buckets} bucket(s) "
-        "to catch up or rebuild"
+        "to catch up or rebuild",
     )
     if ahead:
-        print(
+        warn(
             f"idem index status: {ahead} bucket(s) indexed versions past this ledger's "
             f"({version}): Redis indexes another table, or this one was replaced. A Delta "
             f"sink's table is its own ledger: pass --ledger-path TABLE "
-            f"(this one is {dd.ledger.path})",
-            file=sys.stderr,
+            f"(this one is {where(dd.ledger.path)})"
         )
         return EXIT_ERROR
     return 0
@@ -80,13 +103,27 @@ def _state(mark: int | None, version: int) -> str:
     return "ahead" if mark > version else "current"
 
 
-def _rebuild(args: argparse.Namespace) -> int:
+@click.command(
+    "rebuild",
+    cls=IdemCommand,
+    help="Load what Redis misses from the ledger (missing or lagging buckets).",
+)
+@_INDEX
+@click.option(
+    "--all", "all", is_flag=True, help="Rebuild every bucket from the window, not only gaps."
+)
+@json_option
+@handler
+def _rebuild(args: Args) -> int:
     dd, hot = _dedup(args)
     if dd.ledger.version() < 0:  # nothing to load; and --all would drop the real marks
-        print(
-            f"idem index rebuild: no ledger at {dd.ledger.path} yet, nothing to rebuild from "
-            "(a Delta sink's table is its own ledger: pass --ledger-path TABLE)"
+        say(
+            args,
+            f"idem index rebuild: no ledger at {where(dd.ledger.path)} yet, nothing to rebuild "
+            "from (a Delta sink's table is its own ledger: pass --ledger-path TABLE)",
         )
+        if args.json:
+            emit_json({"ledger_path": dd.ledger.path, "ledger_version": -1, **_NOTHING_DONE})
         return 0
     if args.all:
         # refused (ConfigError) when the group's index covers another ledger: before the
@@ -95,44 +132,42 @@ def _rebuild(args: argparse.Namespace) -> int:
         for bucket in range(hot.buckets):
             hot.drop_watermark(bucket)
     started = time.perf_counter()
-    version = dd.catch_up()
-    print(
-        json.dumps(
-            {
-                "ledger_version": version,
-                "rebuilt_buckets": dd.stats.rebuilt_buckets,
-                "rebuilt_keys": dd.stats.rebuilt_keys,
-                "caught_up_versions": dd.stats.caught_up_versions,
-                "caught_up_keys": dd.stats.caught_up_keys,
-                "seconds": round(time.perf_counter() - started, 3),
-            }
+    with progress(f"rebuilding the index of group {hot.group} from {where(dd.ledger.path)}"):
+        version = dd.catch_up()
+    report = {
+        "ledger_path": dd.ledger.path,
+        "ledger_version": version,
+        "rebuilt_buckets": dd.stats.rebuilt_buckets,
+        "rebuilt_keys": dd.stats.rebuilt_keys,
+        "caught_up_versions": dd.stats.caught_up_versions,
+        "caught_up_keys": dd.stats.caught_up_keys,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if args.json:
+        emit_json(report)
+    else:
+        say(
+            args,
+            f"rebuilt the index of group {hot.group} to ledger version {version}: "
+            f"{report['rebuilt_keys']} key(s) in {report['rebuilt_buckets']} bucket(s) "
+            f"rebuilt, {report['caught_up_keys']} key(s) of {report['caught_up_versions']} "
+            f"version(s) caught up, in {report['seconds']} s",
         )
-    )
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+_NOTHING_DONE = {
+    "rebuilt_buckets": 0,
+    "rebuilt_keys": 0,
+    "caught_up_versions": 0,
+    "caught_up_keys": 0,
+    "seconds": 0.0,
+}
+
+
+def register(cli: click.Group) -> None:
     """Add ``idem index ...`` to the ``idem`` command line."""
-    index = subparsers.add_parser("index", help="inspect and rebuild the Redis index of a ledger")
-    commands = index.add_subparsers(dest="index_command", metavar="ACTION", required=True)
-
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser = commands.add_parser(name, help=help_text)
-        parser.add_argument("--group", help="consumer group (IDEM_GROUP)")
-        parser.add_argument(
-            "--redis-url", type=redis_url, help="Redis holding the index (IDEM_REDIS_URL)"
-        )
-        parser.add_argument("--data-dir", help="where the group's tables live (IDEM_DATA_DIR)")
-        parser.add_argument("--ledger-path", help="the ledger table (IDEM_LEDGER_PATH)")
-        return parser
-
-    command("status", "indexed ledger version and completed keys held, per bucket").set_defaults(
-        func=_status
-    )
-    rebuild = command(
-        "rebuild", "load what Redis misses from the ledger (missing or lagging buckets)"
-    )
-    rebuild.add_argument(
-        "--all", action="store_true", help="rebuild every bucket from the window, not only gaps"
-    )
-    rebuild.set_defaults(func=_rebuild)
+    index = IdemGroup("index", help="Inspect and rebuild the Redis index of a ledger.")
+    index.add_command(_status)
+    index.add_command(_rebuild)
+    cli.add_command(index)

@@ -12,19 +12,19 @@ prints what is scheduled, in the retry topic and in the journal.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import signal
 import sys
 import threading
 from dataclasses import asdict
 from types import FrameType
-from typing import Any
 
-from idem.cli import EXIT_INTERRUPTED
-from idem.cli_args import check_not_a_file, path_flag, positive_int, redis_url
+import click
+
+from idem.cli_args import check_not_a_file, config_of, path_flag
+from idem.cli_command import EXIT_INTERRUPTED, Args, IdemCommand, IdemGroup, handler
+from idem.cli_options import POSITIVE, json_option, settings
+from idem.cli_output import emit_json, progress, say, table, where
 from idem.config import IdemConfig
 from idem.errors import StoreUnavailable, UnsafeRedisConfig
 from idem.redis_client import redacted
@@ -33,45 +33,34 @@ from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
 
 log = logging.getLogger(__name__)
 
-_CONFIG_OPTIONS = {
-    "group": "group",
-    "redis_url": "redis_url",
-    "delay_levels": "delay_levels",
-    "data_dir": "data_dir",
-    "journal_path": "journal_path",
-    "dlq_path": "dlq_path",
-}
+_RETRY = settings("group", "redis_url", "delay_levels", "data_dir", "journal_path", "dlq_path")
 
 
-def _add_config_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--group",
-        required=not os.environ.get("IDEM_GROUP"),
-        help="consumer group (default: IDEM_GROUP)",
-    )
-    parser.add_argument(
-        "--redis-url", type=redis_url, help="redis:// or rediss:// URL (IDEM_REDIS_URL)"
-    )
-    parser.add_argument("--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m ... 2h"')
-    parser.add_argument("--data-dir", help="where the group's Delta tables live by default")
-    parser.add_argument("--journal-path", help="the retry journal's Delta table")
-    parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
-
-
-def _config(args: argparse.Namespace) -> IdemConfig:
-    overrides: dict[str, Any] = {
-        setting: getattr(args, attr)
-        for attr, setting in _CONFIG_OPTIONS.items()
-        if getattr(args, attr, None) is not None
-    }
-    config = IdemConfig.from_env(**overrides)
+def _config(args: Args) -> IdemConfig:
+    config = config_of(args)
     # a file where a Delta table belongs fails deep in delta-rs with a bare OSError
     check_not_a_file(config.resolved_journal_path, name=path_flag(args, "journal_path"))
     check_not_a_file(config.resolved_dlq_path, name=path_flag(args, "dlq_path"))
     return config
 
 
-def _schedule(args: argparse.Namespace) -> int:
+@click.command(
+    "schedule",
+    cls=IdemCommand,
+    help="Run the schedule service of a consumer group until interrupted.",
+)
+@_RETRY
+@click.option(
+    "--batch-size", type=POSITIVE, default=DEFAULT_BATCH_SIZE, help="Messages moved per Lua call."
+)
+@click.option(
+    "--max-idle-ms",
+    type=POSITIVE,
+    default=DEFAULT_MAX_IDLE_MS,
+    help="Longest wait without looking at the queues.",
+)
+@handler
+def _schedule(args: Args) -> int:
     engine = RetryEngine(_config(args))
     try:
         engine.check()  # an evicting Redis would drop scheduled retries silently
@@ -126,87 +115,129 @@ def _describe(failure: BaseException | None) -> str:
     return f"{type(failure).__name__}: {failure}"
 
 
-def _rebuild(args: argparse.Namespace) -> int:
+@click.command(
+    "rebuild",
+    cls=IdemCommand,
+    help="Clear the group's Redis side and rebuild it from the retry journal.",
+)
+@_RETRY
+@json_option
+@handler
+def _rebuild(args: Args) -> int:
     engine = RetryEngine(_config(args))
     try:
+        path = engine.journal.path
         if engine.journal.latest_version() is None:
             # a mistyped path: the rebuild would clear Redis and rebuild it from nothing
-            print(
-                f"idem retry rebuild: no retry journal at {engine.journal.path} yet, "
-                "nothing to rebuild from; Redis left as it is"
+            say(
+                args,
+                f"idem retry rebuild: no retry journal at {where(path)} yet, "
+                "nothing to rebuild from; Redis left as it is",
             )
+            if args.json:
+                emit_json({"group": engine.group, "journal_path": path, "rebuilt": False})
             return 0
-        result = engine.rebuild()
-        print(
-            f"rebuilt {engine.group} from {engine.journal.path}: "
-            f"{result.scheduled} scheduled, {result.removed} removed, "
-            f"{engine.pending()} pending"
-        )
-    finally:
-        engine.close()
-    return 0
-
-
-def _compact(args: argparse.Namespace) -> int:
-    engine = RetryEngine(_config(args))
-    try:
-        base = engine.compact_journal()
-        if base is None:
-            print(f"{engine.group}: no retry journal at {engine.journal.path} yet")
+        with progress(f"rebuilding the retry side of group {engine.group} from {where(path)}"):
+            result = engine.rebuild()
+        pending = engine.pending()
+        if args.json:
+            emit_json(
+                {
+                    "group": engine.group,
+                    "journal_path": path,
+                    "rebuilt": True,
+                    "scheduled": result.scheduled,
+                    "removed": result.removed,
+                    "pending": pending,
+                }
+            )
         else:
-            print(
-                f"compacted {engine.journal.path}: {len(base.live)} live message(s) as of "
-                f"version {base.covers}, written at version {base.version}; a rebuild now "
-                f"reads from version {base.covers + 1}"
+            say(
+                args,
+                f"rebuilt {engine.group} from {where(path)}: {result.scheduled} scheduled, "
+                f"{result.removed} removed, {pending} pending",
             )
     finally:
         engine.close()
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
+@click.command(
+    "compact",
+    cls=IdemCommand,
+    help="Snapshot the live messages into the retry journal so rebuilds start there.",
+)
+@_RETRY
+@json_option
+@handler
+def _compact(args: Args) -> int:
     engine = RetryEngine(_config(args))
     try:
-        stats = engine.stats()
-        print(json.dumps(asdict(stats), indent=2, default=str))
+        path = engine.journal.path
+        with progress(f"compacting the retry journal at {where(path)}"):
+            base = engine.compact_journal()
+        if base is None:
+            say(args, f"{engine.group}: no retry journal at {where(path)} yet")
+            if args.json:
+                emit_json({"group": engine.group, "journal_path": path, "compacted": False})
+        elif args.json:
+            emit_json(
+                {
+                    "group": engine.group,
+                    "journal_path": path,
+                    "compacted": True,
+                    "live": len(base.live),
+                    "covers": base.covers,
+                    "version": base.version,
+                }
+            )
+        else:
+            say(
+                args,
+                f"compacted {where(path)}: {len(base.live)} live message(s) as of "
+                f"version {base.covers}, written at version {base.version}; a rebuild now "
+                f"reads from version {base.covers + 1}",
+            )
     finally:
         engine.close()
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``schedule`` and ``retry`` to the ``idem`` command line."""
-    schedule = subparsers.add_parser(
-        "schedule", help="run the schedule service of a consumer group until interrupted"
-    )
-    _add_config_options(schedule)
-    schedule.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=DEFAULT_BATCH_SIZE,
-        help="messages moved per Lua call",
-    )
-    schedule.add_argument(
-        "--max-idle-ms",
-        type=positive_int,
-        default=DEFAULT_MAX_IDLE_MS,
-        help="longest wait without looking at the queues",
-    )
-    schedule.set_defaults(func=_schedule)
+@click.command(
+    "stats", cls=IdemCommand, help="Show scheduled / retrying counts, the cursor, the journal."
+)
+@_RETRY
+@json_option
+@handler
+def _stats(args: Args) -> int:
+    engine = RetryEngine(_config(args))
+    try:
+        stats = asdict(engine.stats())
+    finally:
+        engine.close()
+    if args.json:
+        emit_json(stats)
+        return 0
+    rows = [(name, value) for name, value in _flat(stats)]
+    table(["", "value"], rows)
+    return 0
 
-    retry = subparsers.add_parser("retry", help="the resend path: rebuild, compact, stats")
-    commands = retry.add_subparsers(dest="retry_command", metavar="ACTION", required=True)
-    rebuild = commands.add_parser(
-        "rebuild", help="clear the group's Redis side and rebuild it from the retry journal"
-    )
-    _add_config_options(rebuild)
-    rebuild.set_defaults(func=_rebuild)
-    compact = commands.add_parser(
-        "compact",
-        help="snapshot the live messages into the retry journal so rebuilds start there",
-    )
-    _add_config_options(compact)
-    compact.set_defaults(func=_compact)
-    stats = commands.add_parser("stats", help="scheduled / retrying counts, cursor, journal")
-    _add_config_options(stats)
-    stats.set_defaults(func=_stats)
+
+def _flat(values: dict[str, object], prefix: str = "") -> list[tuple[str, object]]:
+    """Nested stats as ``redis.live``-style rows."""
+    out: list[tuple[str, object]] = []
+    for name, value in values.items():
+        if isinstance(value, dict):
+            out.extend(_flat(value, f"{prefix}{name}."))
+        else:
+            out.append((f"{prefix}{name}", value))
+    return out
+
+
+def register(cli: click.Group) -> None:
+    """Add ``schedule`` and ``retry`` to the ``idem`` command line."""
+    cli.add_command(_schedule)
+    retry = IdemGroup("retry", help="The resend path: rebuild, compact, stats.")
+    for command in (_rebuild, _compact, _stats):
+        retry.add_command(command)
+    cli.add_command(retry)

@@ -6,53 +6,49 @@ directory, 4 when the exactly-once check of ``demo`` or ``run --check`` fails.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import click
 from pyspark.errors import IllegalArgumentException
 
-from idem.cli import (
+from idem.cli_args import (
+    check_not_a_file,
+    check_writable_dir,
+    check_writable_file,
+    config_of,
+    path_flag,
+)
+from idem.cli_command import (
     EXIT_CHECK_FAILED,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
-    exit_code,
+    Args,
+    IdemCommand,
+    IdemGroup,
+    fail,
+    handler,
 )
-from idem.cli_args import (
-    add_engine_option,
-    check_not_a_file,
-    check_writable_dir,
-    check_writable_file,
-    in_flags,
-    non_negative_int,
-    path_flag,
-    redis_url,
-)
+from idem.cli_options import NON_NEGATIVE, Decorator, apply, json_option, settings
+from idem.cli_output import emit_json, progress, say, table, where
 from idem.config import IdemConfig, LedgerEngine
-from idem.errors import ConfigError, IdemError
+from idem.errors import ConfigError
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
-from idem.spark.demo import run_demo
+from idem.spark.demo import DemoResult, run_demo
 from idem.spark.demo_data import DEMO_DELAY_LEVELS, DEMO_MAX_RECONSUME_TIMES
-from idem.spark.dlq import (
-    Selection,
-    describe,
-    discard,
-    dumps,
-    format_rows,
-    progress_bar,
-    replay,
-)
+from idem.spark.dlq import Selection, describe, discard, replay, table_rows
 from idem.spark.ledger_engine import engine_for_session, jar_paths, session_conf_for
 from idem.spark.run import (
     Pipeline,
+    RunReport,
     RunSpec,
     check_redis,
     check_source,
@@ -68,51 +64,68 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"idem: error: {message}", file=sys.stderr)
-    return code
+def _quiet_py4j(func: Callable[[Args], int]) -> Callable[[Args], int]:
+    """py4j logs every callback at INFO; idem's own lines are what the user wants."""
+
+    def run(args: Args) -> int:
+        logging.getLogger("py4j").setLevel(logging.WARNING)
+        return func(args)
+
+    run.__name__ = func.__name__
+    run.__doc__ = func.__doc__
+    return run
 
 
-def _add_config_options(parser: argparse.ArgumentParser, *, group_required: bool = True) -> None:
-    parser.add_argument(
-        "--group",
-        required=group_required and not os.environ.get("IDEM_GROUP"),
-        help="consumer group (default: IDEM_GROUP)",
-    )
-    parser.add_argument("--redis-url", type=redis_url, help="redis:// URL (IDEM_REDIS_URL)")
-    parser.add_argument("--data-dir", help="where the group's Delta tables live (IDEM_DATA_DIR)")
-    parser.add_argument("--dlq-path", help="the %%DLQ%%<group> Delta table")
-    parser.add_argument("--journal-path", help="the retry journal's Delta table")
-    parser.add_argument(
-        "--delay-levels", help='messageDelayLevel, e.g. "1s 5s 10s 30s 1m 2m ... 2h"'
-    )
-    parser.add_argument(
-        "--max-reconsume-times", type=int, help="retries before the DLQ (default 16)"
-    )
+_SESSION_OPTIONS: list[Decorator] = [
+    click.option(
+        "--jars",
+        metavar="DIR_OR_LIST",
+        help="Jars for the Spark session this command starts (spark.jars): a directory of "
+        "jars or comma-separated jar files, e.g. Delta's for --engine delta-spark; a "
+        "session spark-submit configured is used as it is.",
+    ),
+    settings("engine"),
+]
 
 
-def _config(args: argparse.Namespace, **extra: Any) -> IdemConfig:
-    overrides: dict[str, Any] = dict(extra)
-    for attr in (
-        "group",
-        "redis_url",
-        "data_dir",
-        "dlq_path",
-        "journal_path",
-        "delay_levels",
-        "max_reconsume_times",
-        "engine",
-    ):
-        value = getattr(args, attr, None)
-        if value is not None:
-            overrides[attr] = value
-    return IdemConfig.from_env(**overrides)
+_session_options = apply(*_SESSION_OPTIONS)
 
 
 # -- idem demo ---------------------------------------------------------------------------------
 
 
-def _demo(args: argparse.Namespace) -> int:
+@click.command(
+    "demo",
+    cls=IdemCommand,
+    short_help="Run the whole pipeline on embedded defaults and print the exactly-once report.",
+    help="Starts a private Redis, writes an order stream with redeliveries, flaky and poison "
+    "orders, runs a local Spark streaming query through @exactly_once into a Delta table, "
+    "and checks every order landed exactly once.",
+)
+@click.option(
+    "--workdir", metavar="DIR", help="Where to put the demo's data.  [default: a new temp dir]"
+)
+@click.option(
+    "--delay-levels", default=DEMO_DELAY_LEVELS, metavar="LEVELS", help="Short delay levels."
+)
+@click.option(
+    "--max-reconsume-times",
+    type=int,
+    default=DEMO_MAX_RECONSUME_TIMES,
+    help="Retries before the DLQ.",
+)
+@click.option("--orders", type=int, default=600, help="Distinct orders.")
+@click.option("--files", type=int, default=6, help="Files = micro-batches.")
+@click.option(
+    "--no-crash",
+    is_flag=True,
+    help="Do not stage the driver failure after batch 2 (which Spark then replays).",
+)
+@_session_options
+@json_option
+@handler
+@_quiet_py4j
+def _demo(args: Args) -> int:
     if args.workdir:  # an empty one means the default, a new temporary directory
         check_writable_dir(args.workdir, name="--workdir")
     engine = _demo_engine(args.engine)
@@ -125,10 +138,24 @@ def _demo(args: argparse.Namespace) -> int:
         orders=args.orders,
         files=args.files,
         crash_after_batch=None if args.no_crash else 2,
+        out=sys.stderr if args.json else None,
     )
+    if args.json:
+        emit_json(_demo_json(result))
     if result.report.interrupted:  # the check of a run cut short says nothing: not exit 4
         return EXIT_INTERRUPTED
     return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+
+
+def _demo_json(result: DemoResult) -> dict[str, Any]:
+    return {
+        "passed": result.passed,
+        "missing": sorted(result.missing),
+        "unexpected": sorted(result.unexpected),
+        "dead_letter_keys": list(result.dlq_keys),
+        "seconds": round(result.seconds, 3),
+        "report": json.loads(report_json(result.report)),
+    }
 
 
 def _demo_engine(flag: str | None) -> LedgerEngine:
@@ -147,7 +174,7 @@ def _demo_engine(flag: str | None) -> LedgerEngine:
 # -- idem run ----------------------------------------------------------------------------------
 
 
-def run_spec(args: argparse.Namespace) -> RunSpec:
+def run_spec(args: Args) -> RunSpec:
     """The :class:`RunSpec` of parsed ``idem run`` arguments."""
     return RunSpec(
         source=args.source,
@@ -168,12 +195,127 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
     )
 
 
-def _run(args: argparse.Namespace) -> int:
+_RUN_OPTIONS: list[Decorator] = [
+    click.option(
+        "--source",
+        required=True,
+        metavar="DIR|URL",
+        help="Directory of JSON-lines files, or kafka://HOST:PORT[,HOST:PORT...]/TOPIC "
+        "(JSON values; needs Spark's Kafka connector and --schema).",
+    ),
+    click.option(
+        "--kafka-option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A setting of Spark's Kafka reader, e.g. startingOffsets=latest, "
+        "maxOffsetsPerTrigger=1000, kafka.security.protocol=SSL (repeatable; "
+        "startingOffsets is earliest unless given).",
+    ),
+    click.option("--key", required=True, metavar="FIELD", help="The business key field."),
+    settings(
+        "group",
+        "redis_url",
+        "data_dir",
+        "dlq_path",
+        "journal_path",
+        "delay_levels",
+        "max_reconsume_times",
+    ),
+    click.option(
+        "--sink-delta",
+        metavar="TABLE",
+        help="Delta table the rows go to (it is the group's ledger).",
+    ),
+    click.option(
+        "--sink-fn",
+        metavar="M:F",
+        help="module:function or file.py:function called as fn(fresh_df, batch_id); "
+        "its rows carry an idempotency_key column; it may return the failed keys.",
+    ),
+    click.option(
+        "--idempotency-column",
+        default="idempotency_key",
+        metavar="COLUMN",
+        help="Name of the column --sink-fn's rows get their idempotency key in "
+        "(it must not be a field of the rows).",
+    ),
+    click.option(
+        "--checkpoint",
+        metavar="DIR",
+        help="Spark checkpoint dir.  [default: <data_dir>/<group>/checkpoint]",
+    ),
+    click.option(
+        "--available-now",
+        is_flag=True,
+        help="Process the files there at the start (and the retries they cause), then "
+        "exit; files that land meanwhile are left for the next run.",
+    ),
+    click.option(
+        "--leases",
+        is_flag=True,
+        help="Claims take leases in Redis even with only --sink-delta (needed when a "
+        "function sink or a consumer of another process writes the same group).",
+    ),
+    click.option(
+        "--schema",
+        metavar="DDL",
+        help="DDL of the rows.  [default: inferred, kept in the checkpoint]",
+    ),
+    click.option("--max-files-per-trigger", type=int, metavar="N", help="Files per micro-batch."),
+    click.option(
+        "--trigger-seconds",
+        type=float,
+        default=1.0,
+        help="Micro-batch interval (continuous runs; --available-now polls every 0.5 s).",
+    ),
+    click.option("--topic", default="files", metavar="TOPIC", help="Topic name recorded for these messages."),
+    click.option(
+        "--msg-id-field",
+        metavar="FIELD",
+        help="Field with the source's message id.  [default: derived from key and payload]",
+    ),
+    click.option(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="Stop after this many seconds (with --available-now: stop waiting for retries "
+        "on the ladder; what is pending stays scheduled for the next run).",
+    ),
+    click.option(
+        "--report-json", metavar="FILE", help="Also write the report as JSON to this file."
+    ),
+    click.option(
+        "--spark-conf",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A Spark setting for the local session (repeatable).",
+    ),
+    _session_options,
+    click.option("--check", is_flag=True, help="Exit 4 if the Delta sink holds a key twice."),
+    json_option,
+]
+
+
+_run_options = apply(*_RUN_OPTIONS)
+
+
+@click.command(
+    "run",
+    cls=IdemCommand,
+    short_help="Read JSON-lines files as a stream and write them exactly once.",
+    help="Reads JSON-lines files from --source as a Spark stream, unions the group's retry "
+    "stream and writes through @exactly_once to a Delta sink table and/or a function of "
+    "yours. Restartable from its checkpoint.",
+)
+@_run_options
+@handler
+@_quiet_py4j
+def _run(args: Args) -> int:
     check_source(args.source)
     if not args.sink_delta and not args.sink_fn:
         raise ConfigError("a sink is required: --sink-delta PATH and/or --sink-fn M:F")
     spec = run_spec(args)  # a bad argument is exit 2 before anything starts
-    config = _config(args)
+    config = config_of(args)
     _check_run_paths(args, spec, config)
     sink_fn = load_sink_fn(spec.sink_fn) if spec.sink_fn else None  # before a JVM starts
     jars = jar_paths(args.jars) if args.jars else []
@@ -188,7 +330,7 @@ def _run(args: argparse.Namespace) -> int:
         report = pipeline.run()
     finally:
         pipeline.close()
-    print_report(report)
+    _print_run(args, report)
     if args.report_json:
         Path(args.report_json).write_text(report_json(report), encoding="utf-8")
     if report.interrupted:
@@ -198,7 +340,15 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_run_paths(args: argparse.Namespace, spec: RunSpec, config: IdemConfig) -> None:
+def _print_run(args: Args, report: RunReport) -> None:
+    if args.json:
+        print_report(report, stream=sys.stderr)
+        emit_json(json.loads(report_json(report)))
+    else:
+        print_report(report)
+
+
+def _check_run_paths(args: Args, spec: RunSpec, config: IdemConfig) -> None:
     """Every place ``idem run`` writes takes writes, before Redis or Spark is touched: a
     Delta table or checkpoint that cannot be written fails deep in a streaming batch."""
     if spec.sink_delta:
@@ -226,7 +376,7 @@ def _session(name: str, conf: dict[str, str]) -> SparkSession:
     return session
 
 
-def _spark_conf(pairs: list[str] | None) -> dict[str, str]:
+def _spark_conf(pairs: Sequence[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for pair in pairs or ():
         name, sep, value = pair.partition("=")
@@ -239,15 +389,15 @@ def _spark_conf(pairs: list[str] | None) -> dict[str, str]:
 # -- idem dlq ----------------------------------------------------------------------------------
 
 
-def _engine(args: argparse.Namespace) -> RetryEngine:
-    config = _config(args)
+def _engine(args: Args) -> RetryEngine:
+    config = config_of(args)
     # a file where a Delta table belongs fails deep in delta-rs with a bare OSError
     check_not_a_file(config.resolved_dlq_path, name=path_flag(args, "dlq_path"))
     check_not_a_file(config.resolved_journal_path, name=path_flag(args, "journal_path"))
     return RetryEngine(config, client=check_redis(config.redis_url))
 
 
-def _selection(args: argparse.Namespace) -> Selection:
+def _selection(args: Args) -> Selection:
     return Selection(
         keys=tuple(args.key or ()),
         msg_ids=tuple(args.msg_id or ()),
@@ -256,43 +406,84 @@ def _selection(args: argparse.Namespace) -> Selection:
     )
 
 
-def _dlq_ls(args: argparse.Namespace) -> int:
+_DLQ = settings(
+    "group", "redis_url", "data_dir", "dlq_path", "journal_path", "delay_levels",
+    "max_reconsume_times",
+)  # fmt: skip
+_KEYS: list[Decorator] = [
+    click.option("--key", multiple=True, help="Business key (repeatable)."),
+    click.option("--msg-id", multiple=True, help="Msg id or origin msg id (repeatable)."),
+]
+
+
+_keys = apply(*_KEYS)
+
+
+@click.command("ls", cls=IdemCommand, help="List dead letters, newest first.")
+@_DLQ
+@click.option(
+    "--status",
+    default="dead",
+    type=click.Choice(["dead", "replayed", "discarded", "all"]),
+    help="Rows of this status.",
+)
+@click.option(
+    "--limit", type=NON_NEGATIVE, default=50, help="Show at most this many rows (0: all)."
+)
+@json_option
+@handler
+@_quiet_py4j
+def _dlq_ls(args: Args) -> int:
     engine = _engine(args)
     if not engine.dlq.exists():
         # a typo in --group or --data-dir must not read as "nothing dead-lettered"
-        print(
-            f"%DLQ%{engine.group}: no table at {engine.dlq.path} (nothing dead-lettered in "
-            f"this group yet; check {path_flag(args, 'dlq_path')} and --group)",
-            file=sys.stderr if args.json else sys.stdout,
+        say(
+            args,
+            f"%DLQ%{engine.group}: no table at {where(engine.dlq.path)} (nothing dead-lettered "
+            f"in this group yet; check {path_flag(args, 'dlq_path')} and --group)",
         )
+        if args.json:
+            emit_json([])
         return EXIT_OK
     status = None if args.status == "all" else DeadLetterStatus(args.status.upper())
     letters = engine.dlq.list(status=status, limit=args.limit or None)
     if args.json:
-        if letters:
-            print(dumps(describe(d) for d in letters))
+        emit_json([describe(d) for d in letters])
         return EXIT_OK
-    print(
-        f"%DLQ%{engine.group} at {engine.dlq.path}: {len(letters)} row(s) shown "
-        f"(status {args.status})"
+    say(
+        args,
+        f"%DLQ%{engine.group} at {where(engine.dlq.path)}: {len(letters)} row(s) shown "
+        f"(status {args.status})",
     )
-    for line in format_rows(letters):
-        print(line)
+    if letters:
+        table(
+            ["dead at (UTC)", "status", "times", "key", "origin msg id", "last error"],
+            table_rows(letters),
+        )
     return EXIT_OK
 
 
-def _dlq_show(args: argparse.Namespace) -> int:
+@click.command("show", cls=IdemCommand, help="Show dead letters in full, their rows decoded.")
+@_DLQ
+@_keys
+@json_option
+@handler
+@_quiet_py4j
+def _dlq_show(args: Args) -> int:
     engine = _engine(args)
     wanted = set(args.key or ()) | set(args.msg_id or ())
     if not wanted:
-        return _fail(EXIT_USAGE, "dlq show: name --key K or --msg-id ID")
+        return fail(EXIT_USAGE, "dlq show: name --key K or --msg-id ID")
     letters = [
         d
         for d in engine.dlq.list()
         if d.key in wanted or d.msg_id in wanted or d.origin_msg_id in wanted
     ]
-    for d in letters:
-        print(json.dumps(describe(d), indent=2, ensure_ascii=False, default=str))
+    if args.json:
+        emit_json([describe(d) for d in letters])
+    else:
+        for d in letters:
+            print(json.dumps(describe(d), indent=2, ensure_ascii=False, default=str))
     found = {name for d in letters for name in (d.key, d.msg_id, d.origin_msg_id)}
     return _unknown(list(wanted - found))
 
@@ -301,215 +492,99 @@ def _unknown(names: Sequence[str]) -> int:
     """Exit 1 naming the keys / msg ids that match no dead letter (the rest were done)."""
     if not names:
         return EXIT_OK
-    return _fail(EXIT_ERROR, f"no dead letter with key/msg id {', '.join(sorted(names))}")
+    return fail(EXIT_ERROR, f"no dead letter with key/msg id {', '.join(sorted(names))}")
 
 
-def _dlq_replay(args: argparse.Namespace) -> int:
+_SELECT: list[Decorator] = [
+    _DLQ,
+    _keys,
+    click.option("--all", "all", is_flag=True, help="Every DEAD row of the group."),
+    click.option(
+        "--by",
+        help="Who does it, recorded in the table's replayed_by.  [default: user@host]",
+    ),
+]
+
+
+_select = apply(*_SELECT)
+
+
+@click.command("replay", cls=IdemCommand, help="Send dead letters back through the dedup layer.")
+@_select
+@click.option(
+    "--include-replayed",
+    is_flag=True,
+    help="Also send rows replayed before (keys completed within the dedup window are "
+    "still suppressed).",
+)
+@json_option
+@handler
+@_quiet_py4j
+def _dlq_replay(args: Args) -> int:
     selection = _selection(args)
     if selection.empty:
-        return _fail(EXIT_USAGE, "dlq replay: name --key K, --msg-id ID or --all")
+        return fail(EXIT_USAGE, "dlq replay: name --key K, --msg-id ID or --all")
     engine = _engine(args)
-    result = replay(engine, selection, by=args.by, progress=progress_bar())
-    print(
+    with progress(f"replaying dead letters of %DLQ%{engine.group}") as steps:
+        result = replay(engine, selection, by=args.by, progress=steps.update)
+    if args.json:
+        emit_json(
+            {
+                "group": engine.group,
+                "selected": result.selected,
+                "sent": result.sent,
+                "dead_again": result.dead_again,
+                "marked_replayed": result.marked,
+                "skipped_replayed": result.skipped_replayed,
+                "unknown": sorted(result.unknown),
+            }
+        )
+    say(
+        args,
         f"replayed {result.sent} dead letter(s) of %DLQ%{engine.group} through the retry path "
         f"(dedup applies: a key completed meanwhile is not applied again); "
-        f"marked {result.marked} REPLAYED"
+        f"marked {result.marked} REPLAYED",
     )
     if result.skipped_replayed:
-        print(
+        say(
+            args,
             f"{result.skipped_replayed} matching row(s) were replayed before and were left "
             "alone (--include-replayed sends them again; keys completed within the dedup "
-            "window are still suppressed)"
+            "window are still suppressed)",
         )
     if result.selected == 0:
-        print("nothing to replay")
+        say(args, "nothing to replay")
     return _unknown(result.unknown)
 
 
-def _dlq_discard(args: argparse.Namespace) -> int:
+@click.command("discard", cls=IdemCommand, help="Mark dead letters DISCARDED.")
+@_select
+@json_option
+@handler
+@_quiet_py4j
+def _dlq_discard(args: Args) -> int:
     selection = _selection(args)
     if selection.empty:
-        return _fail(EXIT_USAGE, "dlq discard: name --key K, --msg-id ID or --all")
+        return fail(EXIT_USAGE, "dlq discard: name --key K, --msg-id ID or --all")
     engine = _engine(args)
     result = discard(engine, selection, by=args.by)
-    print(f"marked {result.marked} dead letter(s) of %DLQ%{engine.group} DISCARDED")
+    if args.json:
+        emit_json(
+            {
+                "group": engine.group,
+                "marked_discarded": result.marked,
+                "unknown": sorted(result.unknown),
+            }
+        )
+    say(args, f"marked {result.marked} dead letter(s) of %DLQ%{engine.group} DISCARDED")
     return _unknown(result.unknown)
 
 
-def _guarded(handler: Any) -> Any:
-    """Map the errors a user can fix to the documented exit codes."""
-
-    def run(args: argparse.Namespace) -> int:
-        # py4j logs every callback at INFO; idem's own lines are what the user wants.
-        logging.getLogger("py4j").setLevel(logging.WARNING)
-        try:
-            return int(handler(args))
-        except IdemError as exc:
-            return _fail(exit_code(exc), in_flags(args, exc))
-
-    return run
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(cli: click.Group) -> None:
     """Add ``demo``, ``run`` and ``dlq`` to the ``idem`` command."""
-
-    demo = subparsers.add_parser(
-        "demo",
-        help="run the whole pipeline on embedded defaults and print the exactly-once report",
-        description="Starts a private Redis, writes an order stream with redeliveries, "
-        "flaky and poison orders, runs a local Spark streaming query through "
-        "@exactly_once into a Delta table, and checks every order landed exactly once.",
-    )
-    demo.add_argument("--workdir", help="where to put the demo's data (default: a temp dir)")
-    demo.add_argument("--delay-levels", default=DEMO_DELAY_LEVELS, help="short delay levels")
-    demo.add_argument("--max-reconsume-times", type=int, default=DEMO_MAX_RECONSUME_TIMES)
-    demo.add_argument("--orders", type=int, default=600, help="distinct orders (default 600)")
-    demo.add_argument("--files", type=int, default=6, help="files = micro-batches (default 6)")
-    demo.add_argument(
-        "--no-crash",
-        action="store_true",
-        help="do not stage the driver failure after batch 2 (which Spark then replays)",
-    )
-    _add_session_options(demo)
-    demo.set_defaults(func=_guarded(_demo))
-    _register_run(subparsers)
-    _register_dlq(subparsers)
-
-
-def _add_session_options(parser: argparse.ArgumentParser) -> None:
-    """``--engine`` and ``--jars``: the ledger's engine and the local session's jars."""
-    add_engine_option(parser)
-    parser.add_argument(
-        "--jars",
-        metavar="DIR_OR_LIST",
-        help="jars for the Spark session this command starts (spark.jars): a directory of "
-        "jars or comma-separated jar files, e.g. Delta's for --engine delta-spark; a "
-        "session spark-submit configured is used as it is",
-    )
-
-
-def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    run = subparsers.add_parser(
-        "run",
-        help="read JSON-lines files as a stream and write them exactly once",
-        description="Reads JSON-lines files from --source as a Spark stream, unions the "
-        "group's retry stream and writes through @exactly_once to a Delta sink table "
-        "and/or a function of yours. Restartable from its checkpoint.",
-    )
-    run.add_argument(
-        "--source",
-        required=True,
-        help="directory of JSON-lines files, or kafka://HOST:PORT[,HOST:PORT...]/TOPIC "
-        "(JSON values; needs Spark's Kafka connector and --schema)",
-    )
-    run.add_argument(
-        "--kafka-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="a setting of Spark's Kafka reader, e.g. startingOffsets=latest, "
-        "maxOffsetsPerTrigger=1000, kafka.security.protocol=SSL (repeatable; "
-        "startingOffsets is earliest unless given)",
-    )
-    run.add_argument("--key", required=True, help="the business key field")
-    _add_config_options(run)
-    run.add_argument("--sink-delta", help="Delta table the rows go to (it is the group's ledger)")
-    run.add_argument(
-        "--sink-fn",
-        help="module:function or file.py:function called as fn(fresh_df, batch_id); "
-        "its rows carry an idempotency_key column; it may return the failed keys",
-    )
-    run.add_argument(
-        "--idempotency-column",
-        default="idempotency_key",
-        help="name of the column --sink-fn's rows get their idempotency key in "
-        "(default idempotency_key; it must not be a field of the rows)",
-    )
-    run.add_argument(
-        "--checkpoint", help="Spark checkpoint dir (default <data-dir>/<group>/checkpoint)"
-    )
-    run.add_argument(
-        "--available-now",
-        action="store_true",
-        help="process the files there at the start (and the retries they cause), then "
-        "exit; files that land meanwhile are left for the next run",
-    )
-    run.add_argument(
-        "--leases",
-        action="store_true",
-        help="claims take leases in Redis even with only --sink-delta (needed when a "
-        "function sink or a consumer of another process writes the same group)",
-    )
-    run.add_argument("--schema", help="DDL of the rows (default: inferred, kept in the checkpoint)")
-    run.add_argument("--max-files-per-trigger", type=int, help="files per micro-batch")
-    run.add_argument(
-        "--trigger-seconds",
-        type=float,
-        default=1.0,
-        help="micro-batch interval (continuous runs; --available-now polls every 0.5 s)",
-    )
-    run.add_argument("--topic", default="files", help="topic name recorded for these messages")
-    run.add_argument(
-        "--msg-id-field",
-        help="field with the source's message id (default: derived from key and payload)",
-    )
-    run.add_argument(
-        "--timeout",
-        type=float,
-        help="stop after this many seconds (with --available-now: stop waiting for retries "
-        "on the ladder; what is pending stays scheduled for the next run)",
-    )
-    run.add_argument("--report-json", help="also write the report as JSON to this file")
-    run.add_argument(
-        "--spark-conf",
-        action="append",
-        metavar="KEY=VALUE",
-        help="a Spark setting for the local session (repeatable)",
-    )
-    _add_session_options(run)
-    run.add_argument(
-        "--check", action="store_true", help="exit 4 if the Delta sink holds a key twice"
-    )
-    run.set_defaults(func=_guarded(_run))
-
-
-def _register_dlq(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    dlq = subparsers.add_parser("dlq", help="the %%DLQ%%<group> table: ls, show, replay, discard")
-    commands = dlq.add_subparsers(dest="dlq_command", metavar="COMMAND", required=True)
-    ls = commands.add_parser("ls", help="list dead letters, newest first")
-    _add_config_options(ls)
-    ls.add_argument("--status", default="dead", choices=["dead", "replayed", "discarded", "all"])
-    ls.add_argument(
-        "--limit", type=non_negative_int, default=50, help="show at most this many rows (0: all)"
-    )
-    ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
-    ls.set_defaults(func=_guarded(_dlq_ls))
-
-    show = commands.add_parser("show", help="one dead letter in full, its row decoded")
-    _add_config_options(show)
-    show.add_argument("--key", action="append", help="business key (repeatable)")
-    show.add_argument("--msg-id", action="append", help="msg id or origin msg id (repeatable)")
-    show.set_defaults(func=_guarded(_dlq_show))
-
-    for name, handler, text in (
-        ("replay", _dlq_replay, "send dead letters back through the dedup layer"),
-        ("discard", _dlq_discard, "mark dead letters DISCARDED"),
-    ):
-        sub = commands.add_parser(name, help=text)
-        _add_config_options(sub)
-        sub.add_argument("--key", action="append", help="business key (repeatable)")
-        sub.add_argument("--msg-id", action="append", help="msg id or origin msg id (repeatable)")
-        sub.add_argument("--all", action="store_true", help="every DEAD row of the group")
-        sub.add_argument(
-            "--by",
-            help="who does it, recorded in the table's replayed_by (default: user@host)",
-        )
-        if name == "replay":
-            sub.add_argument(
-                "--include-replayed",
-                action="store_true",
-                help=(
-                    "also send rows replayed before (keys completed within the dedup window "
-                    "are still suppressed)"
-                ),
-            )
-        sub.set_defaults(func=_guarded(handler))
+    cli.add_command(_demo)
+    cli.add_command(_run)
+    dlq = IdemGroup("dlq", help="The %DLQ%<group> table: ls, show, replay, discard.")
+    for command in (_dlq_ls, _dlq_show, _dlq_replay, _dlq_discard):
+        dlq.add_command(command)
+    cli.add_command(dlq)

@@ -14,11 +14,9 @@ records who and when the same way.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple
 
 from pyspark.sql import Row
 
@@ -215,21 +213,19 @@ def decoded_body(letter: DeadLetter) -> dict[str, Any] | None:
         return None
 
 
-def format_rows(letters: Sequence[DeadLetter]) -> list[str]:
-    """``idem dlq ls`` lines."""
-    out = [
-        f"{'dead at (UTC)':<20} {'status':<9} {'times':>5}  {'key':<24} "
-        f"{'origin msg id':<32}  last error"
-    ]
-    for d in letters:
-        at = datetime_of_ms(d.dead_at_ms).strftime("%Y-%m-%d %H:%M:%S")
-        key = (d.key or "∅")[:24]
-        error = (d.last_error or d.reason or "")[:80]
-        out.append(
-            f"{at:<20} {d.status.value:<9} {d.reconsume_times:>5}  {key:<24} "
-            f"{d.origin_msg_id:<32}  {error}"
+def table_rows(letters: Sequence[DeadLetter]) -> list[tuple[str, str, int, str, str, str]]:
+    """``idem dlq ls`` rows: dead at (UTC), status, times, key, origin msg id, last error."""
+    return [
+        (
+            datetime_of_ms(d.dead_at_ms).strftime("%Y-%m-%d %H:%M:%S"),
+            d.status.value,
+            d.reconsume_times,
+            d.key or "∅",
+            d.origin_msg_id,
+            (d.last_error or d.reason or "")[:80],
         )
-    return out
+        for d in letters
+    ]
 
 
 def describe(letter: DeadLetter) -> dict[str, Any]:
@@ -270,26 +266,3 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", "backslashreplace")
     return value
-
-
-def progress_bar(
-    stream: TextIO | None = None, *, width: int = 30, min_total: int = 100
-) -> Callable[[int, int], None]:
-    """A text progress bar (stderr by default) for replays of at least ``min_total`` letters."""
-
-    def show(done: int, total: int) -> None:
-        if total < min_total:
-            return
-        out = stream or sys.stderr
-        filled = width * done // max(total, 1)
-        out.write(f"\rreplaying [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done >= total:
-            out.write("\n")
-        out.flush()
-
-    return show
-
-
-def dumps(items: Iterable[dict[str, Any]]) -> str:
-    """JSON lines."""
-    return "\n".join(json.dumps(i, ensure_ascii=False, default=str) for i in items)

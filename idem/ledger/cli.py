@@ -12,24 +12,20 @@ its own engine, in a Spark job with Delta's jars.
 
 from __future__ import annotations
 
-import argparse
-import json
-from typing import Any
+import click
 
-from idem.cli_args import check_table_path, non_negative_int, path_flag, with_ledger_buckets
+from idem.cli_args import check_table_path, config_of, path_flag, with_ledger_buckets
+from idem.cli_command import Args, IdemCommand, IdemGroup, handler
+from idem.cli_options import NON_NEGATIVE, json_option, settings
+from idem.cli_output import emit_json, progress, say, table, where
 from idem.clock import SYSTEM_CLOCK
 from idem.config import IdemConfig, LedgerEngine, parse_duration_ms
 from idem.errors import ConfigError
 from idem.ledger.base import Ledger, open_ledger
 
-_CONFIG_OPTIONS = ("group", "data_dir", "ledger_path")
 
-
-def _config(args: argparse.Namespace) -> IdemConfig:
-    overrides: dict[str, Any] = {
-        name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
-    }
-    config = IdemConfig.from_env(**overrides)
+def _config(args: Args) -> IdemConfig:
+    config = config_of(args)
     # a file there would read as "no ledger yet": an empty audit that exits 0
     check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
     return with_ledger_buckets(config)
@@ -50,28 +46,81 @@ def _open(config: IdemConfig, command: str, call: str) -> Ledger:
     return open_ledger(config, LedgerEngine.DELTA_RS)
 
 
-def _version(args: argparse.Namespace) -> int:
+def _no_ledger(args: Args, command: str, ledger: Ledger) -> None:
+    """Say where a command looked and found no ledger: a mistyped ``--data-dir`` should
+    not read as an empty ledger."""
+    say(
+        args,
+        f"idem ledger {command}: no ledger at {where(ledger.path)} yet (nothing completed there)",
+    )
+
+
+_LEDGER = settings("group", "data_dir", "ledger_path")
+
+
+@click.command("version", cls=IdemCommand, help="Print the ledger's current Delta version.")
+@_LEDGER
+@json_option
+@handler
+def _version(args: Args) -> int:
     ledger = _open(_config(args), "version", "version()")
-    print(json.dumps({"path": ledger.path, "version": ledger.version()}))
+    version = ledger.version()
+    if args.json:
+        emit_json({"path": ledger.path, "version": version})
+    elif version < 0:
+        _no_ledger(args, "version", ledger)
+    else:
+        say(args, f"ledger at {where(ledger.path)}: version {version}")
     return 0
 
 
-def _audit(args: argparse.Namespace) -> int:
+@click.command("audit", cls=IdemCommand, help="List keys held more than once; exit 1 if any.")
+@_LEDGER
+@click.option("--since", metavar="DURATION", help="Only rows completed within this long, e.g. 7d.")
+@json_option
+@handler
+def _audit(args: Args) -> int:
     since = None  # checked first: a bad flag is an error even where there is no ledger
     if args.since is not None:
         since = SYSTEM_CLOCK.now_ms() - parse_duration_ms(args.since, setting="--since")
     ledger = _open(_config(args), "audit", "audit(since_ms=...)")
-    if ledger.version() < 0:  # a mistyped --data-dir should not read as a clean audit
-        print(f"idem ledger audit: no ledger at {ledger.path} yet (nothing completed there)")
-        return 0
-    repeated = ledger.audit(since_ms=since)
-    for key, count in repeated:
-        print(json.dumps({"key": key, "count": count}))
-    print(f"idem ledger audit: {len(repeated)} key(s) held more than once")
+    exists = ledger.version() >= 0
+    if not exists:
+        _no_ledger(args, "audit", ledger)
+    repeated = ledger.audit(since_ms=since) if exists else []
+    if args.json:
+        emit_json(
+            {
+                "path": ledger.path,
+                "exists": exists,
+                "since_ms": since,
+                "repeated": [{"key": key, "count": count} for key, count in repeated],
+            }
+        )
+    elif repeated:
+        table(["key", "count"], repeated)
+    if exists:
+        say(args, f"idem ledger audit: {len(repeated)} key(s) held more than once")
     return 1 if repeated else 0
 
 
-def _expire(args: argparse.Namespace) -> int:
+@click.command("expire", cls=IdemCommand, help="Delete days older than --older-than, then vacuum.")
+@_LEDGER
+@click.option(
+    "--older-than",
+    required=True,
+    metavar="DURATION",
+    help="Delete whole days older than this, e.g. 30d (keep the dedup window).",
+)
+@click.option(
+    "--vacuum-retention-hours",
+    type=NON_NEGATIVE,
+    default=168,
+    help="Keep unreferenced files this long for readers still on old versions.",
+)
+@json_option
+@handler
+def _expire(args: Args) -> int:
     config = _config(args)
     older = parse_duration_ms(args.older_than, setting="--older-than")
     if older < config.dedup_window_ms:
@@ -80,43 +129,49 @@ def _expire(args: argparse.Namespace) -> int:
             f"({config.dedup_window_ms} ms); a Redis rebuild would miss those keys"
         )
     ledger = _open(config, "expire", "expire(older_than_ms, vacuum_retention_hours=...)")
-    deleted = ledger.expire(
-        SYSTEM_CLOCK.now_ms() - older, vacuum_retention_hours=args.vacuum_retention_hours
-    )
-    print(json.dumps({"deleted_rows": deleted, "version": ledger.version()}))
+    with progress(f"expiring days older than {args.older_than}, then vacuuming"):
+        deleted = ledger.expire(
+            SYSTEM_CLOCK.now_ms() - older, vacuum_retention_hours=args.vacuum_retention_hours
+        )
+    version = ledger.version()
+    if args.json:
+        emit_json({"path": ledger.path, "deleted_rows": deleted, "version": version})
+    else:
+        say(
+            args,
+            f"expired {where(ledger.path)}: {deleted} row(s) deleted, now at version {version}",
+        )
     return 0
 
 
-def _compact(args: argparse.Namespace) -> int:
+@click.command("compact", cls=IdemCommand, help="Merge the small per-batch files of past days.")
+@_LEDGER
+@json_option
+@handler
+def _compact(args: Args) -> int:
     ledger = _open(_config(args), "compact", "compact()")
-    result = ledger.compact()
-    print(json.dumps({"files_removed": result.files_removed, "files_added": result.files_added}))
+    with progress("compacting the files of past days"):
+        result = ledger.compact()
+    if args.json:
+        emit_json(
+            {
+                "path": ledger.path,
+                "files_removed": result.files_removed,
+                "files_added": result.files_added,
+            }
+        )
+    else:
+        say(
+            args,
+            f"compacted {where(ledger.path)}: {result.files_removed} file(s) merged into "
+            f"{result.files_added}",
+        )
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(cli: click.Group) -> None:
     """Add ``idem ledger ...`` to the ``idem`` command line."""
-    ledger = subparsers.add_parser("ledger", help="inspect and maintain a group's Delta ledger")
-    commands = ledger.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
-
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser = commands.add_parser(name, help=help_text)
-        parser.add_argument("--group", help="consumer group (IDEM_GROUP)")
-        parser.add_argument("--data-dir", help="where the group's tables live (IDEM_DATA_DIR)")
-        parser.add_argument("--ledger-path", help="the ledger table (IDEM_LEDGER_PATH)")
-        return parser
-
-    command("version", "print the ledger's current Delta version").set_defaults(func=_version)
-    audit = command("audit", "list keys held more than once; exit 1 if any")
-    audit.add_argument("--since", help="only rows completed within this long, e.g. 7d")
-    audit.set_defaults(func=_audit)
-    expire = command("expire", "delete days older than --older-than, then vacuum")
-    expire.add_argument("--older-than", required=True, help="e.g. 30d (keep the dedup window)")
-    expire.add_argument(
-        "--vacuum-retention-hours",
-        type=non_negative_int,
-        default=168,
-        help="keep unreferenced files this long for readers still on old versions (168)",
-    )
-    expire.set_defaults(func=_expire)
-    command("compact", "merge the small per-batch files of past days").set_defaults(func=_compact)
+    ledger = IdemGroup("ledger", help="Inspect and maintain a group's Delta ledger.")
+    for command in (_version, _audit, _expire, _compact):
+        ledger.add_command(command)
+    cli.add_command(ledger)

@@ -88,8 +88,8 @@ def test_index_rebuild_all_of_another_ledger_is_refused_before_dropping_anything
     )
     assert code == 2
     assert "is indexed for the ledger at" in err
-    code, out, _ = _exit(capsys, ["index", "status", *common, "--ledger-path", str(real)])
-    states = {json.loads(line)["state"] for line in out.splitlines() if line.startswith("{")}
+    code, out, _ = _exit(capsys, ["index", "status", "--json", *common, "--ledger-path", str(real)])
+    states = {bucket["state"] for bucket in json.loads(out)["buckets"]}
     assert (code, states) == (0, {"current"})
 
 
@@ -106,7 +106,8 @@ def _send_back(url: str, data_dir: Path, count: int) -> None:
 
 
 def _live(capsys: pytest.CaptureFixture[str], url: str, data_dir: Path) -> int:
-    argv = ["retry", "stats", "--group", "orders", "--redis-url", url, "--data-dir", str(data_dir)]
+    argv = ["retry", "stats", "--json", "--group", "orders", "--redis-url", url]
+    argv += ["--data-dir", str(data_dir)]
     code, out, _ = _exit(capsys, argv)
     assert code == 0
     return int(json.loads(out)["redis"]["live"])

@@ -17,9 +17,13 @@ pytestmark = pytest.mark.integration
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, object]]]:
-    code = main(list(argv))
-    lines = capsys.readouterr().out.splitlines()
-    return code, [json.loads(line) for line in lines if line.startswith("{")]
+    """The exit code and the data of ``idem argv --json``: the buckets of ``index status``,
+    else the one report in a list."""
+    code = main([*argv, "--json"])
+    document = json.loads(capsys.readouterr().out)
+    if "buckets" in document:
+        return code, document["buckets"]
+    return code, [document]
 
 
 def test_rebuild_warms_a_flushed_redis_before_traffic(
@@ -104,13 +108,13 @@ def test_pointed_at_the_wrong_ledger_status_says_ahead_and_rebuild_drops_nothing
     dd.complete(dd.begin(["A", "B"], owner="batch-1"), batch_id=1, app_id="test")
     common = ("--group", "sinked", "--redis-url", redis_server.url, "--data-dir", str(tmp_path))
 
-    assert main(["index", "status", *common]) == 1
+    assert main(["index", "status", "--json", *common]) == 1
     out, err = capsys.readouterr()
-    states = {json.loads(line)["state"] for line in out.splitlines() if line.startswith("{")}
+    states = {bucket["state"] for bucket in json.loads(out)["buckets"]}
     assert "ahead" in states
     assert "A Delta sink's table is its own ledger: pass --ledger-path TABLE" in err
-    code, reports = _run(capsys, "index", "rebuild", "--all", *common)
-    assert (code, reports) == (0, [])
+    code, [report] = _run(capsys, "index", "rebuild", "--all", *common)
+    assert (code, report["ledger_version"], report["rebuilt_keys"]) == (0, -1, 0)
     code, buckets = _run(capsys, "index", "status", *common, "--ledger-path", str(sink))
     assert code == 0
     assert sum(int(str(b["keys"])) for b in buckets) == 2

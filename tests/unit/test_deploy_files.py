@@ -10,7 +10,6 @@ command-line override applies, so a production path missing here would abort it.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -605,23 +604,24 @@ def test_settings_configmap_is_a_valid_idem_config_for_the_scheduled_group() -> 
 
 
 def _idem_subcommands() -> set[str]:
-    from idem.cli import build_parser
+    from idem.cli import build_cli
 
-    actions = build_parser()._actions
-    return {n for a in actions if isinstance(a, argparse._SubParsersAction) for n in a.choices}
+    return set(build_cli().commands)
 
 
 @pytest.mark.unit
 def test_schedule_deployment_command_is_accepted_by_the_idem_cli() -> None:
-    from idem.cli import build_parser
+    import click
+
+    from idem.cli import parse_args
 
     command = _schedule_command()
     if "schedule" not in _idem_subcommands():
         pytest.skip("`idem schedule` is not built yet")
     try:
-        build_parser().parse_args(command[1:])
-    except SystemExit as exc:  # argparse's way of refusing
-        pytest.fail(f"idem refuses the Deployment's command {command}: exit {exc.code}")
+        parse_args(command[1:])
+    except click.UsageError as exc:
+        pytest.fail(f"idem refuses the Deployment's command {command}: {exc.format_message()}")
 
 
 @pytest.mark.unit
@@ -651,7 +651,7 @@ def test_spark_submit_script_runs_idem_run_in_the_driver() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "usage: idem run" in done.stdout
+    assert "Usage: idem run" in done.stdout
 
 
 @pytest.mark.integration

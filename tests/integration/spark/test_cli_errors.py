@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,11 +74,9 @@ def test_bad_settings_are_exit_2_naming_the_setting(
     assert "--delay-levels: level 2 is 'fast'" in err
 
 
-def test_a_missing_argument_is_argparse_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", "--key", "id", "--group", "g"])
-    assert exit_info.value.code == 2
-    assert "--source" in capsys.readouterr().err
+def test_a_missing_argument_is_exit_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--key", "id", "--group", "g"]) == 2
+    assert "idem: error: --source: required" in capsys.readouterr().err
 
 
 def test_dlq_replay_without_a_selection_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -251,9 +250,7 @@ def test_a_dlq_listing_limit_that_is_not_a_count_is_exit_2(
     capsys: pytest.CaptureFixture[str], limit: str
 ) -> None:
     """``--limit -1`` hid the last row (a Python slice), ``-3`` the last three."""
-    with pytest.raises(SystemExit) as exit_:
-        main(["dlq", "ls", "--group", "g", "--limit", limit])
-    assert exit_.value.code == 2
+    assert main(["dlq", "ls", "--group", "g", "--limit", limit]) == 2
     assert f"--limit: {limit!r} is not a whole number >= 0" in capsys.readouterr().err
 
 
@@ -294,7 +291,7 @@ def test_dlq_ls_where_no_table_is_says_where_it_looked(
     assert "check --data-dir and --group" in out
     assert main(["dlq", "ls", "--group", "ledgerd", "--json", *common]) == 0
     captured = capsys.readouterr()
-    assert captured.out == ""
+    assert json.loads(captured.out) == []  # stdout holds only the (empty) listing
     assert "no table at" in captured.err
 
     assert main(["dlq", "ls", "--group", "ledgered", *common]) == 0

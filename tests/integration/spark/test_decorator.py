@@ -26,7 +26,7 @@ from spark_helpers import (
     write_files,
 )
 
-from idem.cli import build_parser
+from idem.cli import parse_args
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError
@@ -181,7 +181,7 @@ def test_idem_run_with_leases_holds_a_crashed_batchs_keys_against_a_function_sin
 ) -> None:
     write_files(tmp_path / "in", [[order(1), order(2)]])
     config = config_for(tmp_path, redis_server.url, "leasedrun")
-    args = build_parser().parse_args(
+    args = parse_args(
         ["run", "--source", str(tmp_path / "in"), "--key", "order_id", "--group", "leasedrun",
          "--sink-delta", str(tmp_path / "orders"), "--checkpoint", str(tmp_path / "cp"),
          "--available-now", "--leases"]

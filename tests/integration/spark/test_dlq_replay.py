@@ -209,5 +209,5 @@ def test_dlq_show_and_ls_json_print_a_row_with_structs_and_maps_not_keyed_by_tex
         "s": {"p": 1, "q": "z"},
     }
     assert _cli(config, "ls", "--json") == 0
-    [listed] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    [listed] = json.loads(capsys.readouterr().out)
     assert listed["row"] == shown["row"]
