@@ -99,13 +99,21 @@ class _Formatter(logging.Formatter):
         return super().format(record)
 
 
-_HANDLER = logging.StreamHandler()
+_HANDLERS: list[logging.Handler] = []
+"""The one stderr handler of this process, made on first use (on the stderr of then)."""
 
 
 def configure_logging(*, verbose: bool) -> None:
-    """INFO to stderr, an explained failure in one line; ``verbose``: DEBUG, tracebacks."""
-    _HANDLER.setFormatter((logging.Formatter if verbose else _Formatter)(_LOG_FORMAT))
-    logging.basicConfig(level=logging.INFO, handlers=[_HANDLER])
+    """INFO to stderr, an explained failure in one line; ``verbose``: DEBUG, tracebacks.
+
+    Called by :func:`idem.cli.main` before a command runs, and again by ``-v``; a process
+    whose logging is set up already (an embedding application, a test run) keeps its
+    own handlers.
+    """
+    if not _HANDLERS:
+        _HANDLERS.append(logging.StreamHandler())
+        logging.basicConfig(level=logging.INFO, handlers=_HANDLERS)
+    _HANDLERS[0].setFormatter((logging.Formatter if verbose else _Formatter)(_LOG_FORMAT))
     if verbose:
         logging.getLogger().setLevel(logging.DEBUG)
 

@@ -78,7 +78,9 @@ _SETTINGS: dict[str, Callable[[], click.Option]] = {
     "group": lambda: click.Option(
         ["--group"],
         metavar="G",
-        help=_setting_help("The consumer group (required: this flag or the variable).", "group", None),
+        help=_setting_help(
+            "The consumer group (required: this flag or the variable).", "group", None
+        ),
     ),
     "redis_url": lambda: click.Option(
         ["--redis-url"],

@@ -22,10 +22,12 @@ from rich.progress import (
     MofNCompleteColumn,
     Progress,
     SpinnerColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from idem.cli_command import Args
 
@@ -68,6 +70,13 @@ def where(path: str) -> str:
     return str(Path(path).resolve())
 
 
+class _Count(MofNCompleteColumn):
+    """``done/total``, or nothing while the total is unknown (a spinner's task)."""
+
+    def render(self, task: Task) -> Text:
+        return Text("") if task.total is None else super().render(task)
+
+
 class Steps:
     """The progress of one long command; each call of :meth:`update` redraws it."""
 
@@ -103,7 +112,7 @@ def progress(description: str, total: int | None = None) -> Iterator[Steps]:
         SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(),
-        MofNCompleteColumn(),
+        _Count(),
         TimeElapsedColumn(),
         console=Console(file=sys.stderr),
         transient=True,

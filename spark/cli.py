@@ -268,7 +268,9 @@ _RUN_OPTIONS: list[Decorator] = [
         default=1.0,
         help="Micro-batch interval (continuous runs; --available-now polls every 0.5 s).",
     ),
-    click.option("--topic", default="files", metavar="TOPIC", help="Topic name recorded for these messages."),
+    click.option(
+        "--topic", default="files", metavar="TOPIC", help="Topic name recorded for these messages."
+    ),
     click.option(
         "--msg-id-field",
         metavar="FIELD",

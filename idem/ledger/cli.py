@@ -65,11 +65,11 @@ _LEDGER = settings("group", "data_dir", "ledger_path")
 def _version(args: Args) -> int:
     ledger = _open(_config(args), "version", "version()")
     version = ledger.version()
+    if version < 0:
+        _no_ledger(args, "version", ledger)
     if args.json:
         emit_json({"path": ledger.path, "version": version})
-    elif version < 0:
-        _no_ledger(args, "version", ledger)
-    else:
+    elif version >= 0:
         say(args, f"ledger at {where(ledger.path)}: version {version}")
     return 0
 
@@ -129,6 +129,11 @@ def _expire(args: Args) -> int:
             f"({config.dedup_window_ms} ms); a Redis rebuild would miss those keys"
         )
     ledger = _open(config, "expire", "expire(older_than_ms, vacuum_retention_hours=...)")
+    if ledger.version() < 0:  # a mistyped --data-dir should not read as "0 rows deleted"
+        _no_ledger(args, "expire", ledger)
+        if args.json:
+            emit_json({"path": ledger.path, "deleted_rows": 0, "version": -1})
+        return 0
     with progress(f"expiring days older than {args.older_than}, then vacuuming"):
         deleted = ledger.expire(
             SYSTEM_CLOCK.now_ms() - older, vacuum_retention_hours=args.vacuum_retention_hours
@@ -150,6 +155,11 @@ def _expire(args: Args) -> int:
 @handler
 def _compact(args: Args) -> int:
     ledger = _open(_config(args), "compact", "compact()")
+    if ledger.version() < 0:
+        _no_ledger(args, "compact", ledger)
+        if args.json:
+            emit_json({"path": ledger.path, "files_removed": 0, "files_added": 0})
+        return 0
     with progress("compacting the files of past days"):
         result = ledger.compact()
     if args.json:
