@@ -14,22 +14,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    Task,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from idem.cli_command import Args
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
 
 
 def emit_json(document: Any) -> None:
@@ -49,6 +40,8 @@ def warn(text: str) -> None:
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """``rows`` as a table on stdout; long cells are folded, never cut."""
+    from rich.table import Table  # noqa: PLC0415 -- rich is imported only where it draws
+
     out = Table(*columns, box=None, header_style="bold", pad_edge=False)
     for row in rows:
         out.add_row(*("" if cell is None else str(cell) for cell in row))
@@ -56,6 +49,8 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def _stdout() -> Console:
+    from rich.console import Console  # noqa: PLC0415 -- see table()
+
     # a pipe gets the width of COLUMNS or a wide default, so that a cell is not folded
     # to 80 columns for a grep; a terminal gets its own width
     width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
@@ -68,13 +63,6 @@ def where(path: str) -> str:
     if "://" in path:
         return path
     return str(Path(path).resolve())
-
-
-class _Count(MofNCompleteColumn):
-    """``done/total``, or nothing while the total is unknown (a spinner's task)."""
-
-    def render(self, task: Task) -> Text:
-        return Text("") if task.total is None else super().render(task)
 
 
 class Steps:
@@ -108,6 +96,25 @@ def progress(description: str, total: int | None = None) -> Iterator[Steps]:
     if not sys.stderr.isatty():
         yield Steps(None, description, total)
         return
+    # rich is imported only where it draws: a command's start-up stays quick
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import (  # noqa: PLC0415
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        Task,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.text import Text  # noqa: PLC0415
+
+    class _Count(MofNCompleteColumn):
+        """``done/total``, or nothing while the total is unknown (a spinner's task)."""
+
+        def render(self, task: Task) -> Text:
+            return Text("") if task.total is None else super().render(task)
+
     bar = Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
