@@ -41,10 +41,12 @@ def warn(text: str) -> None:
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """``rows`` as a table on stdout; long cells are folded, never cut."""
     from rich.table import Table  # noqa: PLC0415 -- rich is imported only where it draws
+    from rich.text import Text  # noqa: PLC0415
 
     out = Table(*columns, box=None, header_style="bold", pad_edge=False)
     for row in rows:
-        out.add_row(*("" if cell is None else str(cell) for cell in row))
+        # Text, not str: a key or an error holding "[...]" is shown, not read as markup
+        out.add_row(*(Text("" if cell is None else str(cell)) for cell in row))
     _stdout().print(out)
 
 
@@ -53,7 +55,8 @@ def _stdout() -> Console:
 
     # a pipe gets the width of COLUMNS or a wide default, so that a cell is not folded
     # to 80 columns for a grep; a terminal gets its own width
-    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
+    columns = os.environ.get("COLUMNS", "")
+    width = None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 200
     return Console(file=sys.stdout, width=width, soft_wrap=False, highlight=False)
 
 

@@ -93,7 +93,7 @@ def test_every_core_data_command_prints_one_json_document(
     engine = RetryEngine(config)
     engine.send_back([_message(f"R{n}", f"K{n}") for n in range(3)], delay_level=18)
     dead = [_message(f"D{n}", key) for n, key in enumerate("ABC")]
-    assert engine.dead_letter(dead, reason="no price").acknowledged
+    assert engine.dead_letter(dead, reason="no price [b]").acknowledged
     engine.close()
     group = ["--group", "orders", "--data-dir", str(tmp_path)]
     common = [*group, "--redis-url", redis_server.url]
@@ -127,7 +127,7 @@ def test_every_core_data_command_prints_one_json_document(
 
     listed = run(["dlq", "ls"])
     assert sorted(row["key"] for row in listed) == ["A", "B", "C"]
-    assert all(row["reason"].endswith("no price") for row in listed)
+    assert all(row["reason"].endswith("no price [b]") for row in listed)
     [shown] = run(["dlq", "show", "--key", "A"])
     assert (shown["key"], shown["status"]) == ("A", "DEAD")
     discarded = run(["dlq", "discard", "--key", "B", "--key", "NOPE"], code=1)
@@ -137,6 +137,10 @@ def test_every_core_data_command_prints_one_json_document(
     assert [row["key"] for row in run(["dlq", "ls"])] == ["A"]  # still DEAD
 
     assert done == CORE_COMMANDS
+    # without --json the same rows are a table; text in brackets is shown, not styled away
+    assert main(["dlq", "ls", *common]) == 0
+    table = capsys.readouterr().out
+    assert table.count("no price [b]") == 1
 
 
 def test_a_command_that_finds_nothing_says_where_it_looked_on_stderr(
