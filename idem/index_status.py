@@ -52,13 +52,19 @@ class IndexStatus:
         return sum(b.keys for b in self.buckets)
 
     @property
+    def missing(self) -> int:
+        """Buckets with no indexed version (never used yet, or Redis lost them): each is
+        rebuilt from the ledger by the first claim that touches it."""
+        return sum(b.indexed_version is None for b in self.buckets)
+
+    @property
     def lag(self) -> int | None:
-        """Ledger versions the furthest-behind bucket has not indexed (``None``: a bucket
-        was never indexed, so its lag is unknown)."""
-        marks = [b.indexed_version for b in self.buckets]
-        if any(m is None for m in marks):
+        """Ledger versions the furthest-behind indexed bucket has not indexed yet
+        (``None``: no bucket is indexed)."""
+        marks = [b.indexed_version for b in self.buckets if b.indexed_version is not None]
+        if not marks:
             return None
-        return max((max(self.ledger_version - m, 0) for m in marks if m is not None), default=0)
+        return max(max(self.ledger_version - m, 0) for m in marks)
 
 
 def bucket_state(mark: int | None, version: int) -> str:

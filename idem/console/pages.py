@@ -267,12 +267,18 @@ def index(status: IndexStatus | None) -> str:
     if status is None:
         return "<p class=muted>no ledger table yet</p>"
     lag = status.lag
+    lag_text = "no bucket indexed yet" if lag is None else f"{lag} version(s)"
     summary = (
         f"<p>ledger <code>{escape(status.ledger_path)}</code> at version "
-        f"<b>{status.ledger_version}</b>; index lag "
-        f"<b>{'unknown (a bucket was never indexed)' if lag is None else f'{lag} version(s)'}</b>; "
-        f"{status.held} completed key(s) held; {status.to_catch_up} of {len(status.buckets)} "
-        "bucket(s) to catch up</p>"
+        f"<b>{status.ledger_version}</b>; index lag <b>{lag_text}</b>; "
+        f"{status.held} completed key(s) held in Redis; {status.to_catch_up} of "
+        f"{len(status.buckets)} bucket(s) to catch up"
+        + (
+            f" ({status.missing} never indexed: rebuilt from the ledger on first use)"
+            if status.missing
+            else ""
+        )
+        + "</p>"
     )
     if status.ahead:
         summary += (
