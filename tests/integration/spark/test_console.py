@@ -24,11 +24,12 @@ from jvm_jars import IN_CI
 from pyspark.sql import DataFrame, SparkSession
 from spark_helpers import config_for, dead_letters, delta_run, order, sink_key_counts, write_files
 
+from idem.cli import main
 from idem.config import IdemConfig
 from idem.console.data import GroupView
 from idem.console.server import TOKEN_HEADER, Console, ConsoleServer, serve
 from idem.redis_server import RedisServer
-from idem.retry.dlq import DeadLetterStatus
+from idem.retry.dlq import DeadLetter, DeadLetterStatus, DeadLetterTable
 from idem.retry.engine import RetryEngine
 from idem.spark.run import Pipeline
 
@@ -87,6 +88,16 @@ def _start(config: IdemConfig, client: redis.Redis) -> ConsoleServer:
     return server
 
 
+def _screenshot(page: Any) -> None:
+    """The overview for the docs; the ledger's path is the test's temporary directory,
+    which means nothing to a reader, so it is shown as a user's would be."""
+    page.locator("section", has_text="index lag").locator("code").first.evaluate(
+        "node => { node.textContent = '/data/orders' }"
+    )
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
 def _post(url: str, data: bytes, headers: dict[str, str] | None = None) -> int:
     request = urllib.request.Request(  # noqa: S310 -- the console's own http URL
         url, data=data, headers=headers or {}, method="POST"
@@ -110,7 +121,7 @@ def test_console_lists_dead_letters_replays_one_once_and_records_a_discard(
     config = config_for(
         tmp_path,
         redis_server.url,
-        "console",
+        "orders",
         max_reconsume_times=1,
         ledger_path=str(tmp_path / "sink"),  # a Delta sink's table is its own ledger
     )
@@ -154,8 +165,10 @@ def test_console_lists_dead_letters_replays_one_once_and_records_a_discard(
         assert waiting.count() == 1
         assert waiting.first.locator("td").nth(1).inner_text() == "1"
         if os.environ.get("IDEM_DOCS_SCREENSHOT") == "1":
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            _screenshot(page)
+        page.goto(server.url + f"search?q={REPLAYED}")
+        assert "retrying: msg" in page.inner_text("main")
+        assert "scheduled at level 1" in page.inner_text("main")
         Pipeline(spark, config, spec, sink_fn=sink, client=real_redis).run()
         assert sink_key_counts(tmp_path / "sink") == {
             "ORDERID_1": 1,
@@ -216,3 +229,46 @@ def test_console_refuses_actions_without_the_token_and_requests_for_another_host
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_console_shows_a_dead_letter_s_fields_as_text_never_as_markup(
+    real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "console-escape")
+    hostile = "<script>alert(1)</script>"
+    letter = DeadLetter(
+        group=config.group,
+        topic="orders",
+        key=hostile,
+        msg_id="M<1>",
+        origin_msg_id="O1",
+        body=b"<img src=x onerror=alert(2)>",
+        properties={},
+        reconsume_times=1,
+        first_failed_at_ms=1_700_000_000_000,
+        dead_at_ms=1_700_000_060_000,
+        last_error="ValueError: <b>bad</b>",
+    )
+    assert DeadLetterTable(config.resolved_dlq_path, config.group).write([letter]) == 1
+    server = _start(config, real_redis)
+    try:
+        for path in ("", "dlq?status=all", "letter?id=M%3C1%3E", "search?q=O1"):
+            with urllib.request.urlopen(server.url + path, timeout=30) as response:  # noqa: S310
+                html = response.read().decode()
+            assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, path
+            for markup in ("<script>", "<b>bad", "<img"):
+                assert markup not in html, path
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_idem_console_refuses_a_short_token_naming_the_flag_and_the_limit(
+    redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["console", "--group", "g", "--redis-url", redis_server.url]
+    args += ["--data-dir", str(tmp_path), "--port", "0", "--token", "short"]
+    assert main(args) == 2
+    assert "--token: the console token must be at least 16 characters, got 5" in (
+        capsys.readouterr().err
+    )
