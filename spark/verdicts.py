@@ -39,6 +39,7 @@ from idem.hotstore import RedisHotStore
 from idem.keys import validate_key
 from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
+from idem.spark.faults import TaskFault, TaskFaultPoint
 from idem.spark.ids import spark_hex
 from idem.spark.messages import MALFORMED_COLUMN, RECONSUME_TIMES_COLUMN
 from idem.spark.rows import python_values
@@ -126,6 +127,7 @@ class ClaimTask:
         hold: Whether the claims take leases (see :meth:`idem.dedup.Dedup.begin`).
         key: The column holding the business key.
         fingerprints: Whether :data:`HASH_COLUMN` holds the payload hashes.
+        fault: A failure to stage in one task's first attempt (tests only).
     """
 
     config: IdemConfig
@@ -135,15 +137,22 @@ class ClaimTask:
     hold: bool
     key: str
     fingerprints: bool = True
+    fault: TaskFault | None = None
+    """A fault to stage in the task (tests): see :class:`idem.spark.faults.TaskFault`."""
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """Tag every row of the task with its verdict (called once per task)."""
-        table = pa.Table.from_batches(list(batches)).combine_chunks()
+        received = list(batches)
+        if not received:
+            return
+        table = pa.Table.from_batches(received).combine_chunks()
         if table.num_rows == 0:
             return
         table = table.take(_precedence(table))
         for field, column in zip(VERDICT_FIELDS, self.verdicts(table), strict=True):
             table = table.append_column(field, column)
+        if self.fault is not None:
+            self.fault.fire(TaskFaultPoint.CLAIMED)
         yield from table.to_batches()
 
     def verdicts(self, table: pa.Table) -> list[pa.Array]:
@@ -212,6 +221,8 @@ class ClaimTask:
         calls = store.start_claim(self.owner, min_version=self.min_version, hold=self.hold)
         try:
             calls.add(grouped)
+            if self.fault is not None:
+                self.fault.fire(TaskFaultPoint.CLAIMS_SENT)
         except BaseException:
             calls.abandon()
             raise
