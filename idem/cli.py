@@ -1,8 +1,8 @@
 """The ``idem`` command line.
 
 Subcommands are contributed by each layer through a ``register(subparsers)``
-function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
-``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
+function: the core's own (``ledger``, ``index``, ``acl``, ``stats``), ``idem.retry.cli``
+(``schedule``, ``retry``) and ``idem.spark.cli`` (``demo``, ``run``, ``dlq``). The layers are
 looked up by name so the core does not import the layers built on it. When a
 layer's optional dependency is not installed (PySpark for ``idem.spark.cli``), its
 commands are still listed, and running one says what to install (exit 2).
@@ -31,7 +31,14 @@ from idem.cli_args import in_flags
 from idem.errors import ConfigError, IdemError, StoreUnavailable
 from idem.extras import install_hint
 
-LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.acl_cli", "idem.retry.cli", "idem.spark.cli")
+LAYERS = (
+    "idem.ledger.cli",
+    "idem.index_cli",
+    "idem.acl_cli",
+    "idem.stats_cli",
+    "idem.retry.cli",
+    "idem.spark.cli",
+)
 """Modules that may contribute subcommands; a missing one is simply absent."""
 
 

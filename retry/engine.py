@@ -20,6 +20,7 @@ Elsewhere a failure of Redis (an outage or an error reply) surfaces as
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +28,7 @@ from typing import TypeVar
 
 import redis
 
+from idem import metrics
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
@@ -198,6 +200,7 @@ class RetryEngine:
         try:
             return self.faults.redis(fn, what=what, attempts=attempts)
         except redis.exceptions.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="retry")
             raise StoreUnavailable(
                 f"{what} failed: Redis answered {type(exc).__name__}: {exc}"
             ) from exc
@@ -404,6 +407,7 @@ class RetryEngine:
                         due_ms=d.due_ms,
                     )
                 )
+        _count_outcomes(self.group, outcomes)
         return SendBackResult(tuple(outcomes))
 
     def dead_letter(
@@ -602,3 +606,19 @@ class RetryEngine:
     def close(self) -> None:
         """Close the Redis connection pool."""
         self.client.close()
+
+
+def _count_outcomes(group: str, outcomes: Sequence[SendBackOutcome]) -> None:
+    """Retries scheduled by level and dead letters by reason, into the process's metrics
+    (once per send-back call, whoever made it: a Spark batch, a consumer, a DLQ replay)."""
+    levels: Counter[int] = Counter()
+    reasons: Counter[str] = Counter()
+    for o in outcomes:
+        if o.status is SendBackStatus.DEAD:
+            reasons[metrics.reason_label(o.reason or "")] += 1
+        elif o.status in (SendBackStatus.SCHEDULED, SendBackStatus.FALLBACK):
+            levels[o.delay_level] += 1
+    for level, n in levels.items():
+        metrics.count("retries_scheduled", group, n, level=level)
+    for reason, n in reasons.items():
+        metrics.count("dead_letters", group, n, reason=reason)
