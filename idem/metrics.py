@@ -126,10 +126,15 @@ GAUGES: Final = {
         MetricSpec("ledger_version", "The ledger's latest Delta version."),
         MetricSpec(
             "index_lag_versions",
-            "Ledger versions the Redis index is behind, in its most lagging bucket "
-            "(a bucket without a watermark counts the whole ledger).",
+            "Ledger versions the Redis index is behind, in its most lagging indexed bucket.",
         ),
-        MetricSpec("index_buckets_behind", "Buckets whose Redis index is behind the ledger."),
+        MetricSpec(
+            "index_buckets_behind", "Indexed buckets whose Redis index is behind the ledger."
+        ),
+        MetricSpec(
+            "index_buckets_missing",
+            "Buckets with no Redis index of a ledger that has versions (rebuilt on next use).",
+        ),
         MetricSpec(
             "state_read_errors",
             "1 when the last read of the group's state failed (its gauges are then absent).",

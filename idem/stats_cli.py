@@ -91,7 +91,8 @@ def format_snapshot(snapshot: dict[str, Any]) -> str:
         lines.append(
             f"  index:  ledger version {index['ledger_version']}, "
             f"{index['buckets_behind']} of {index['buckets']} bucket(s) behind "
-            f"(by up to {index['lag_versions']} version(s)), {index['held_keys']} key(s) held"
+            f"(by up to {index['lag_versions']} version(s)), {index['buckets_missing']} "
+            f"not indexed yet, {index['held_keys']} key(s) held"
         )
     for name, why in snapshot.get("unavailable", {}).items():
         lines.append(f"  ({name} left out: {why})")

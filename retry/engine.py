@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -362,7 +362,10 @@ class RetryEngine:
                 )
                 self._stage("resubmit", [d.original for d in scheduled])
                 status = SendBackStatus.RESUBMIT_LATER
-        return self._result(decisions, status, now, journaled=True)
+        result = self._result(decisions, status, now, journaled=True)
+        # what a replayed batch had journaled already was counted by its first attempt
+        _count_outcomes(self.group, result.outcomes, {e.msg_id for e in written.events})
+        return result
 
     def _result(
         self,
@@ -407,7 +410,6 @@ class RetryEngine:
                         due_ms=d.due_ms,
                     )
                 )
-        _count_outcomes(self.group, outcomes)
         return SendBackResult(tuple(outcomes))
 
     def dead_letter(
@@ -608,15 +610,21 @@ class RetryEngine:
         self.client.close()
 
 
-def _count_outcomes(group: str, outcomes: Sequence[SendBackOutcome]) -> None:
-    """Retries scheduled by level and dead letters by reason, into the process's metrics
-    (once per send-back call, whoever made it: a Spark batch, a consumer, a DLQ replay)."""
+def _count_outcomes(
+    group: str, outcomes: Sequence[SendBackOutcome], journaled: Collection[str]
+) -> None:
+    """Retries scheduled by level and dead letters by reason, into the process's metrics,
+    whoever sent them back (a Spark batch, a consumer, a DLQ replay); only the messages
+    whose event this call ``journaled`` (by msg id) count."""
     levels: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
     for o in outcomes:
-        if o.status is SendBackStatus.DEAD:
+        if o.status is SendBackStatus.DEAD and o.msg_id in journaled:
             reasons[metrics.reason_label(o.reason or "")] += 1
-        elif o.status in (SendBackStatus.SCHEDULED, SendBackStatus.FALLBACK):
+        elif (
+            o.status in (SendBackStatus.SCHEDULED, SendBackStatus.FALLBACK)
+            and o.new_msg_id in journaled
+        ):
             levels[o.delay_level] += 1
     for level, n in levels.items():
         metrics.count("retries_scheduled", group, n, level=level)

@@ -36,16 +36,24 @@ class IndexState:
 
     @property
     def lag_versions(self) -> int:
-        """Versions the most lagging bucket is behind (a bucket with no watermark: all)."""
-        lags = [self.ledger_version - (-1 if m is None else m) for m in self.watermarks.values()]
-        return max([0, *lags]) if self.ledger_version >= 0 else 0
+        """Versions the most lagging indexed bucket is behind the ledger (the next claim in
+        it loads just those versions' keys)."""
+        lags = [self.ledger_version - m for m in self.watermarks.values() if m is not None]
+        return max([0, *lags])
 
     @property
     def buckets_behind(self) -> int:
-        """Buckets whose index is behind the ledger (or has none)."""
+        """Indexed buckets behind the ledger."""
+        return sum(1 for m in self.watermarks.values() if m is not None and m < self.ledger_version)
+
+    @property
+    def buckets_missing(self) -> int:
+        """Buckets with no watermark while the ledger has versions: the next claim in one
+        rebuilds it from the ledger's dedup window (after FLUSHALL or an empty restart, or
+        a bucket no key of the group has reached yet)."""
         if self.ledger_version < 0:
             return 0
-        return sum(1 for m in self.watermarks.values() if m is None or m < self.ledger_version)
+        return sum(1 for m in self.watermarks.values() if m is None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,7 @@ class GroupSnapshot:
             state["ledger_version"] = [({}, float(self.index.ledger_version))]
             state["index_lag_versions"] = [({}, float(self.index.lag_versions))]
             state["index_buckets_behind"] = [({}, float(self.index.buckets_behind))]
+            state["index_buckets_missing"] = [({}, float(self.index.buckets_missing))]
         return state
 
 
@@ -147,6 +156,7 @@ def stats_section(config: IdemConfig, client: RedisClient) -> dict[str, Any]:
             "lag_versions": index.lag_versions,
             "buckets": len(index.watermarks),
             "buckets_behind": index.buckets_behind,
+            "buckets_missing": index.buckets_missing,
             "held_keys": index.held_keys,
         }
     return out
