@@ -111,9 +111,9 @@ def test_idem_schedule_serves_moves_lateness_state_and_probes(
     assert probe(url, "/healthz") == (200, "ok\n")
     assert probe(url, "/readyz") == (200, "ok\n")
     moved = eventually(
-        lambda: (s := scrape(url))
-        and value(s, "idem_schedule_moved_total", group=group) == 5
-        and s,
+        lambda: (
+            (s := scrape(url)) and value(s, "idem_schedule_moved_total", group=group) == 5 and s
+        ),
         timeout=30,
         what="5 moves",
     )
@@ -124,9 +124,11 @@ def test_idem_schedule_serves_moves_lateness_state_and_probes(
     assert 0 <= late < 10
     # the state gauges are the group's, read from Redis and the DLQ table
     state = eventually(
-        lambda: (s := scrape(url))
-        and value(s, "idem_retry_topic_messages", group=group, state="undelivered") == 5
-        and s,
+        lambda: (
+            (s := scrape(url))
+            and value(s, "idem_retry_topic_messages", group=group, state="undelivered") == 5
+            and s
+        ),
         timeout=30,
         what="the retry topic's gauge",
     )
