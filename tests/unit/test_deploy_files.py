@@ -630,7 +630,8 @@ def _exposed_metric_names() -> set[str]:
 
     names = {f"{PREFIX}{name}_total" for name in COUNTERS}
     names |= {f"{PREFIX}{name}" for name in GAUGES}
-    names |= {f"{PREFIX}{name}_{part}" for name in HISTOGRAMS for part in ("bucket", "sum", "count")}
+    parts = ("bucket", "sum", "count")
+    names |= {f"{PREFIX}{name}_{part}" for name in HISTOGRAMS for part in parts}
     return names
 
 
@@ -657,7 +658,7 @@ def test_schedule_deployment_probes_and_scrapes_the_port_idem_schedule_serves() 
     args = build_parser().parse_args(container["command"][1:])
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
     assert args.metrics_port == port
-    assert args.metrics_host == "0.0.0.0"  # reachable by the kubelet and Prometheus
+    assert args.metrics_host == "0.0.0.0"  # noqa: S104 -- reachable by the kubelet and Prometheus
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     annotations = template["metadata"]["annotations"]
