@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -377,7 +378,8 @@ class StateCollector:
             yield family
 
 
-_REGISTERED: set[int] = set()
+_REGISTERED: weakref.WeakSet[CollectorRegistry] = weakref.WeakSet()
+"""Registries the tallies are registered in (weak: an id could be reused by a new one)."""
 _REGISTER_LOCK = threading.Lock()
 
 
@@ -386,9 +388,9 @@ def registry(target: CollectorRegistry | None = None) -> CollectorRegistry:
     prometheus = _prometheus()
     reg: CollectorRegistry = prometheus.REGISTRY if target is None else target
     with _REGISTER_LOCK:
-        if id(reg) not in _REGISTERED:
+        if reg not in _REGISTERED:
             reg.register(TallyCollector())
-            _REGISTERED.add(id(reg))
+            _REGISTERED.add(reg)
     return reg
 
 
