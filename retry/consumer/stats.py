@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 
 from idem import metrics
 
-_METRICS = {"pulled": "messages", "consume_failed": "failed"}
-"""The counters that are also idem's metrics (``idem_<name>_total``), and their names there."""
+_METRICS = {"pulled": "messages"}
+"""The counters that are also idem's metrics (``idem_<name>_total``), and their names there
+(``failed`` is counted where the listener's own rejections are told from busy keys)."""
 
 
 @dataclass

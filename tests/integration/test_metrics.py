@@ -174,8 +174,9 @@ def test_readiness_fails_while_redis_is_away_and_health_holds(tmp_path: Path) ->
 def test_the_push_consumer_counts_what_its_dedup_layer_and_the_resend_path_did(
     tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
 ) -> None:
-    """5 orders consumed, 2 of them delivered again (completed duplicates), and one
-    message that always fails: retried once at level 3, then dead (max_reconsume_times 1)."""
+    """5 orders consumed, 2 of them delivered again (completed duplicates), one message
+    that always fails: retried once at level 3, then dead (max_reconsume_times 1), and
+    one whose key another owner holds for a while: busy, not failed."""
     config = _config(tmp_path, redis_server.url, max_reconsume_times=1)
     TopicStore(real_redis).create_topic("orders", 1)
     sink = RecordingListener()
@@ -192,13 +193,18 @@ def test_the_push_consumer_counts_what_its_dedup_layer_and_the_resend_path_did(
     hook = DedupMiddleware(Dedup(config, client=redis_server.client()), commit_interval_ms=50)
     consumer.use(hook)
     consumer.register_message_listener_concurrently(listener)
+    other = Dedup(config, client=redis_server.client())
+    held = other.begin(["HELD"], owner="another-consumer")
     http = metrics.serve(0, target=CollectorRegistry())
     consumer.start()
     try:
         producer = Producer("p", client=real_redis)
         producer.send_batch([new_message("orders", b"{}", keys=f"O{i}") for i in range(5)])
         producer.send(new_message("orders", b"{}", keys="BAD"))
-        eventually(lambda: hook.stats.completed == 5, what="5 keys committed")
+        producer.send(new_message("orders", b"{}", keys="HELD"))
+        eventually(lambda: hook.stats.busy >= 1, what="HELD busy")
+        other.release(held)
+        eventually(lambda: hook.stats.completed == 6, what="6 keys committed")
         producer.send_batch([new_message("orders", b"{}", keys=k) for k in ("O0", "O1")])
         engine = consumer.engine
         assert engine is not None
@@ -206,8 +212,11 @@ def test_the_push_consumer_counts_what_its_dedup_layer_and_the_resend_path_did(
         eventually(lambda: hook.stats.duplicates["completed"] == 2, what="2 duplicates")
         group = config.group
         samples = scrape(http.url)
-        assert value(samples, "idem_messages_total", group=group) == 9  # 5 + BAD twice + 2
-        assert value(samples, "idem_applied_total", group=group) == 5
+        busy = hook.stats.busy
+        # 5 orders, BAD twice, HELD once per busy delivery and once more, 2 copies
+        assert value(samples, "idem_messages_total", group=group) == 5 + 2 + busy + 1 + 2
+        assert value(samples, "idem_busy_total", group=group) == busy
+        assert value(samples, "idem_applied_total", group=group) == 6
         assert value(samples, "idem_duplicates_total", group=group, cause="completed") == 2
         assert value(samples, "idem_failed_total", group=group) == 2
         assert value(samples, "idem_retries_scheduled_total", group=group, level=3) == 1
@@ -215,8 +224,10 @@ def test_the_push_consumer_counts_what_its_dedup_layer_and_the_resend_path_did(
             value(samples, "idem_dead_letters_total", group=group, reason="max_reconsume_times")
             == 1
         )
-        assert value(samples, "idem_schedule_moved_total", group=group) == 1
-        assert sorted(sink.keys) == [f"O{i}" for i in range(5)]
+        # BAD's retry and each busy send-back of HELD (on delay level 1)
+        assert value(samples, "idem_retries_scheduled_total", group=group, level=1) == busy
+        assert value(samples, "idem_schedule_moved_total", group=group) == 1 + busy
+        assert sorted(sink.keys) == sorted(["HELD", *(f"O{i}" for i in range(5))])
     finally:
         consumer.shutdown()
         http.close()
