@@ -20,6 +20,7 @@ from idem.cli_args import check_table_path, path_flag, redis_url, with_ledger_bu
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
+from idem.index_status import index_status, open_index
 
 _CONFIG_OPTIONS = ("group", "data_dir", "ledger_path", "redis_url")
 
@@ -30,54 +31,38 @@ def _dedup(args: argparse.Namespace) -> tuple[Dedup, RedisHotStore]:
     }
     config = IdemConfig.from_env(**overrides)
     check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
-    config = with_ledger_buckets(config)
-    hot = RedisHotStore.from_config(config)
-    return Dedup(config, hot=hot), hot
+    return open_index(with_ledger_buckets(config))
 
 
 def _status(args: argparse.Namespace) -> int:
-    dd, hot = _dedup(args)
-    version = dd.ledger.version()
-    marks = hot.watermarks()
-    held = hot.held_keys()
-    states = [_state(marks[bucket], version) for bucket in range(hot.buckets)]
-    behind = sum(state in ("missing", "behind") for state in states)
-    ahead = states.count("ahead")
-    for bucket, state in enumerate(states):
+    status = index_status(*_dedup(args))
+    for b in status.buckets:
         print(
             json.dumps(
                 {
-                    "bucket": bucket,
-                    "indexed_version": marks[bucket],
-                    "keys": held[bucket],
-                    "state": state,
+                    "bucket": b.bucket,
+                    "indexed_version": b.indexed_version,
+                    "keys": b.keys,
+                    "state": b.state,
                 }
             )
         )
+    version = status.ledger_version
     print(
-        f"idem index status: group {hot.group!r}, ledger version {version}, "
-        f"{sum(held.values())} completed key(s) held, {behind} of {hot.buckets} bucket(s) "
-        "to catch up or rebuild"
+        f"idem index status: group {status.group!r}, ledger version {version}, "
+        f"{status.held} completed key(s) held, {status.to_catch_up} of {len(status.buckets)} "
+        "bucket(s) to catch up or rebuild"
     )
-    if ahead:
+    if status.ahead:
         print(
-            f"idem index status: {ahead} bucket(s) indexed versions past this ledger's "
+            f"idem index status: {status.ahead} bucket(s) indexed versions past this ledger's "
             f"({version}): Redis indexes another table, or this one was replaced. A Delta "
             f"sink's table is its own ledger: pass --ledger-path TABLE "
-            f"(this one is {dd.ledger.path})",
+            f"(this one is {status.ledger_path})",
             file=sys.stderr,
         )
         return EXIT_ERROR
     return 0
-
-
-def _state(mark: int | None, version: int) -> str:
-    """A bucket's index against the ledger: ``ahead`` means another ledger was indexed."""
-    if mark is None:
-        return "missing"
-    if mark < version:
-        return "behind"
-    return "ahead" if mark > version else "current"
 
 
 def _rebuild(args: argparse.Namespace) -> int:

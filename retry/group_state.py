@@ -16,44 +16,12 @@ from idem.cli_args import with_ledger_buckets
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
+from idem.index_status import IndexStatus, index_status
 from idem.metrics import GroupState
 from idem.redis_cluster import RedisClient
 from idem.retry.engine import RetryEngine
 from idem.retry.message import TIMER_QUEUE
 from idem.retry.store import ScheduleStats
-
-
-@dataclass(frozen=True, slots=True)
-class IndexState:
-    """The Redis index of the ledger: each bucket's indexed version against the ledger's."""
-
-    ledger_version: int
-    """The ledger's latest version (``-1``: no ledger yet)."""
-    watermarks: Mapping[int, int | None]
-    """Per bucket, the ledger version Redis has indexed (``None``: none, a rebuild is due)."""
-    held_keys: int
-    """Completed keys the index holds in Redis."""
-
-    @property
-    def lag_versions(self) -> int:
-        """Versions the most lagging indexed bucket is behind the ledger (the next claim in
-        it loads just those versions' keys)."""
-        lags = [self.ledger_version - m for m in self.watermarks.values() if m is not None]
-        return max([0, *lags])
-
-    @property
-    def buckets_behind(self) -> int:
-        """Indexed buckets behind the ledger."""
-        return sum(1 for m in self.watermarks.values() if m is not None and m < self.ledger_version)
-
-    @property
-    def buckets_missing(self) -> int:
-        """Buckets with no watermark while the ledger has versions: the next claim in one
-        rebuilds it from the ledger's dedup window (after FLUSHALL or an empty restart, or
-        a bucket no key of the group has reached yet)."""
-        if self.ledger_version < 0:
-            return 0
-        return sum(1 for m in self.watermarks.values() if m is None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +33,8 @@ class GroupSnapshot:
     journal_version: int | None
     dlq: Mapping[tuple[str, str], int] = field(default_factory=dict)
     """Dead letters by (original topic, status)."""
-    index: IndexState | None = None
-    """``None`` when not read (no ledger configured for the group)."""
+    index: IndexStatus | None = None
+    """``None`` when not read."""
 
     def scheduled_by_level(self) -> dict[int, int]:
         """Messages waiting per delay level (0: the custom-delay timer queue)."""
@@ -88,27 +56,28 @@ class GroupSnapshot:
                 ({"state": "delivered_unacked"}, float(self.retry.delivered_unacked)),
             ],
         }
-        if self.index is not None:
-            state["ledger_version"] = [({}, float(self.index.ledger_version))]
-            state["index_lag_versions"] = [({}, float(self.index.lag_versions))]
-            state["index_buckets_behind"] = [({}, float(self.index.buckets_behind))]
-            state["index_buckets_missing"] = [({}, float(self.index.buckets_missing))]
+        index = self.index
+        if index is not None:
+            state["ledger_version"] = [({}, float(index.ledger_version))]
+            state["index_lag_versions"] = [({}, float(index.lag or 0))]
+            state["index_buckets_behind"] = [({}, float(buckets_behind(index)))]
+            state["index_buckets_missing"] = [({}, float(buckets_missing(index)))]
         return state
+
+
+def buckets_behind(index: IndexStatus) -> int:
+    """Indexed buckets behind the ledger (the next claim in one loads what it missed)."""
+    return sum(b.state == "behind" for b in index.buckets)
+
+
+def buckets_missing(index: IndexStatus) -> int:
+    """Buckets with no index of a ledger that has versions (rebuilt on first use)."""
+    return index.missing if index.ledger_version >= 0 else 0
 
 
 def _level(queue_id: str) -> int:
     """A schedule queue's delay level (queue id = level - 1; the timer queue is level 0)."""
     return 0 if queue_id == TIMER_QUEUE else int(queue_id) + 1
-
-
-def read_index(config: IdemConfig, hot: RedisHotStore) -> IndexState:
-    """The group's ledger version and each bucket's watermark in Redis."""
-    version = Dedup(config, hot=hot).ledger.version()
-    return IndexState(
-        ledger_version=version,
-        watermarks=hot.watermarks(),
-        held_keys=sum(hot.held_keys().values()),
-    )
 
 
 def read_group(
@@ -122,7 +91,7 @@ def read_group(
         # the bucket count the ledger was made with, unless IDEM_BUCKETS says otherwise
         config = with_ledger_buckets(engine.config)
         store = hot or RedisHotStore.from_config(config, client=engine.client)
-        state = read_index(config, store)
+        state = index_status(Dedup(config, hot=store), store)
     return GroupSnapshot(
         group=engine.group,
         retry=stats.redis,
@@ -153,11 +122,11 @@ def stats_section(config: IdemConfig, client: RedisClient) -> dict[str, Any]:
         index = snap.index
         out["index"] = {
             "ledger_version": index.ledger_version,
-            "lag_versions": index.lag_versions,
-            "buckets": len(index.watermarks),
-            "buckets_behind": index.buckets_behind,
-            "buckets_missing": index.buckets_missing,
-            "held_keys": index.held_keys,
+            "lag_versions": index.lag or 0,
+            "buckets": len(index.buckets),
+            "buckets_behind": buckets_behind(index),
+            "buckets_missing": buckets_missing(index),
+            "held_keys": index.held,
         }
     return out
 

@@ -290,6 +290,12 @@ class ScheduleStore:
         head = self.client.zrange(self.keys.heads, 0, 0, withscores=True)
         return int(head[0][1]) if head else None
 
+    def queue_heads(self) -> dict[str, int]:
+        """Due time (ms) of each schedule queue's head, by queue id (``level - 1``, or
+        ``timer``); a queue holding nothing is absent."""
+        heads = self.client.zrange(self.keys.heads, 0, -1, withscores=True)
+        return {_text(entry[0]): int(entry[1]) for entry in heads}
+
     def wake(self) -> None:
         """Tell every schedule service of the group to look at the queues now."""
         self.client.publish(self.keys.wake_channel, "wake")
