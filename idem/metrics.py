@@ -137,8 +137,9 @@ GAUGES: Final = {
             "Buckets with no Redis index of a ledger that has versions (rebuilt on next use).",
         ),
         MetricSpec(
-            "state_read_errors",
-            "1 when the last read of the group's state failed (its gauges are then absent).",
+            "group_state_up",
+            "1 when the last read of the group's state succeeded, 0 when it failed (its other "
+            "gauges are then absent).",
         ),
     )
 }
@@ -334,7 +335,7 @@ class StateCollector:
 
     ``read`` returns :data:`GroupState` (the gauges of :data:`GAUGES`); it may be slow (a
     DLQ count reads a Delta table), so a scrape within ``min_interval_s`` of the last
-    read answers the last values. A failed read sets ``idem_state_read_errors`` to 1.
+    read answers the last values. ``idem_group_state_up`` is 0 after a failed read, else 1.
     """
 
     def __init__(
@@ -365,8 +366,8 @@ class StateCollector:
     def collect(self) -> Iterator[Any]:
         """The gauges, read now or at most ``min_interval_s`` ago."""
         state = self._state()
-        errors: GroupState = {"state_read_errors": [({}, 0.0 if state is not None else 1.0)]}
-        yield from self._families({**(state or {}), **errors})
+        up: GroupState = {"group_state_up": [({}, 1.0 if state is not None else 0.0)]}
+        yield from self._families({**(state or {}), **up})
 
     def _families(self, state: GroupState) -> Iterator[Any]:
         core = _prometheus().core

@@ -133,7 +133,7 @@ def test_idem_schedule_serves_moves_lateness_state_and_probes(
         what="the retry topic's gauge",
     )
     assert value(state, "idem_dlq_messages", group=group, topic="payments", status="DEAD") == 2
-    assert value(state, "idem_state_read_errors", group=group) == 0
+    assert value(state, "idem_group_state_up", group=group) == 1
     assert value(state, "idem_ledger_version", group=group) == -1  # no ledger yet
     assert value(state, "idem_index_lag_versions", group=group) == 0
     assert "/metrics" in probe(url, "/nothing")[1]

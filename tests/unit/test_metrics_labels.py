@@ -98,4 +98,4 @@ def test_a_state_read_that_fails_is_a_gauge_not_a_failed_scrape() -> None:
     registry.register(metrics.StateCollector("g", broken, min_interval_s=0))
     with metrics.serve(0, target=registry) as http:
         samples = scrape(http.url)
-    assert value(samples, "idem_state_read_errors", group="g") == 1
+    assert value(samples, "idem_group_state_up", group="g") == 0

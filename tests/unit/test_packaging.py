@@ -132,7 +132,9 @@ def test_the_other_commands_work_without_pyspark() -> None:
     done = _without_pyspark(
         """
         from idem.cli import main
-        for argv in (["--help"], ["schedule", "--help"], ["index", "status", "--help"]):
+        for argv in (
+            ["--help"], ["schedule", "--help"], ["index", "status", "--help"], ["stats", "--help"]
+        ):
             try:
                 main(argv)
             except SystemExit as exc:
