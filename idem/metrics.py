@@ -326,6 +326,10 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
+STATE_READ_INTERVAL_S: Final = 5.0
+"""Shortest time between two reads of a group's state: scrapes in between (several
+Prometheus servers, a dashboard's refresh) answer the last values."""
+
 GroupState = Mapping[str, Sequence[tuple[Mapping[str, str], float]]]
 """A group's state gauges: for each gauge name, its samples as (extra labels, value)."""
 
@@ -339,7 +343,11 @@ class StateCollector:
     """
 
     def __init__(
-        self, group: str, read: Callable[[], GroupState], *, min_interval_s: float = 15.0
+        self,
+        group: str,
+        read: Callable[[], GroupState],
+        *,
+        min_interval_s: float = STATE_READ_INTERVAL_S,
     ) -> None:
         self.group = group
         self.read = read
