@@ -28,6 +28,7 @@ from idem import metrics
 from idem.cli import main
 from idem.config import IdemConfig
 from idem.dedup import Dedup
+from idem.errors import StoreUnavailable
 from idem.redis_server import RedisServer
 from idem.retry.cli import schedule_metrics
 from idem.retry.consumer import DedupMiddleware, Producer, PushConsumer, TopicStore, new_message
@@ -263,3 +264,20 @@ def test_idem_stats_prints_one_snapshot_of_the_group(
     text = capsys.readouterr().out
     assert "4 scheduled (L2: 3, L3: 1)" in text
     assert "DEAD 1, DISCARDED 1" in text
+
+
+def test_a_claim_while_redis_is_away_counts_a_redis_error_of_the_dedup_layer(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(appendonly=False) as server:
+        config = _config(tmp_path, server.url)
+        dedup = Dedup(config, client=server.client(socket_timeout=2))
+        dedup.release(dedup.begin(["K1"], owner="o"))
+        server.kill()
+        for key in ("K2", "K3"):
+            with pytest.raises(StoreUnavailable):
+                dedup.begin([key], owner="o")
+        with metrics.serve(0, target=CollectorRegistry()) as http:
+            samples = scrape(http.url)
+    errors = value(samples, "idem_redis_errors_total", group=config.group, component="dedup")
+    assert errors == 2
