@@ -1,12 +1,12 @@
 """The ``idem`` command line.
 
 Subcommands are contributed by each layer through a ``register(subparsers)``
-function: the core's own (``ledger``, ``index``), ``idem.retry.cli`` (``schedule``,
-``retry``), ``idem.spark.cli`` (``demo``, ``run``, ``dlq``) and ``idem.console.cli``
-(``console``). The layers are looked up by name so the core does not import the layers
-built on it. When a layer's optional dependency is not installed (PySpark for
-``idem.spark.cli``), its commands are still listed, and running one says what to install
-(exit 2).
+function: the core's own (``ledger``, ``index``, ``acl``, ``stats``), ``idem.retry.cli``
+(``schedule``, ``retry``), ``idem.spark.cli`` (``demo``, ``run``, ``dlq``) and
+``idem.console.cli`` (``console``). The layers are looked up by name so the core does
+not import the layers built on it. When a layer's optional dependency is not installed
+(PySpark for ``idem.spark.cli``), its commands are still listed, and running one says
+what to install (exit 2).
 
 Exit codes, the same for every subcommand: 0 done; 1 an idem error (the
 message says which) or, for ``ledger audit``, keys held more than once; 2 bad
@@ -36,6 +36,7 @@ LAYERS = (
     "idem.ledger.cli",
     "idem.index_cli",
     "idem.acl_cli",
+    "idem.stats_cli",
     "idem.retry.cli",
     "idem.spark.cli",
     "idem.console.cli",

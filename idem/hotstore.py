@@ -51,6 +51,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
+from idem import metrics
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
@@ -272,6 +273,7 @@ class RedisHotStore:
         """``replies`` of streamed calls; raises :class:`StoreUnavailable` on an error reply."""
         for reply in replies:
             if isinstance(reply, redis.RedisError):
+                metrics.count("redis_errors", self.group, component="dedup")
                 raise StoreUnavailable(
                     f"Redis {operation} for group {self.group!r} failed: {reply} "
                     "(the outcome is unknown; read the state again before acting on it)"
@@ -286,6 +288,7 @@ class RedisHotStore:
         try:
             replies: list[Any] = pipe.execute()
         except redis.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="dedup")
             raise StoreUnavailable(
                 f"Redis {operation} for group {self.group!r} failed: {exc} "
                 "(the outcome is unknown; read the state again before acting on it)"
@@ -518,6 +521,7 @@ class RedisHotStore:
                     return
                 stored = self.client.get(name)  # another writer recorded one meanwhile
         except redis.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="dedup")
             raise StoreUnavailable(
                 f"Redis ledger check for group {self.group!r} failed: {exc}"
             ) from exc

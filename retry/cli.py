@@ -24,12 +24,14 @@ from types import FrameType
 from typing import Any
 
 from idem.cli import EXIT_INTERRUPTED
-from idem.cli_args import check_not_a_file, path_flag, positive_int, redis_url
+from idem.cli_args import check_not_a_file, path_flag, port_number, positive_int, redis_url
 from idem.config import IdemConfig
-from idem.errors import StoreUnavailable, UnsafeRedisConfig
+from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
+from idem.metrics import MetricsServer, StateCollector, serve
 from idem.redis_client import redacted
 from idem.retry.engine import RetryEngine
-from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
+from idem.retry.group_state import read_group
+from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS, ScheduleService
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,24 @@ def _schedule(args: argparse.Namespace) -> int:
         flush=True,
     )
     service.start()
+    server = None
+    if args.metrics_port is not None:
+        try:
+            server = schedule_metrics(
+                engine, service, host=args.metrics_host, port=args.metrics_port
+            )
+        except ModuleNotFoundError as exc:
+            service.stop()
+            engine.close()
+            raise ConfigError(f"--metrics-port: {exc}") from exc
+        except OSError as exc:  # the port is taken, or the address is not this host's
+            service.stop()
+            engine.close()
+            raise ConfigError(
+                f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        print(f"idem schedule: metrics on {server.url}/metrics", file=sys.stderr, flush=True)
     code = 0
     try:
         while not stop.wait(0.5):
@@ -115,9 +135,37 @@ def _schedule(args: argparse.Namespace) -> int:
         code = EXIT_INTERRUPTED
     finally:
         service.stop()
+        if server is not None:
+            server.close()
         print(f"idem schedule: moved {service.moved_total} message(s)", file=sys.stderr)
         engine.close()
     return code
+
+
+def schedule_metrics(
+    engine: RetryEngine, service: ScheduleService, *, host: str, port: int
+) -> MetricsServer:
+    """Serve the schedule service's metrics, the group's state gauges, and its probes.
+
+    ``/healthz`` fails once the service's thread has ended (the process should be
+    restarted); ``/readyz`` also fails while its moving loop fails in a row (Redis away
+    or refusing writes).
+    """
+
+    def healthy() -> str | None:
+        if service.alive:
+            return None
+        return f"schedule service of group {engine.group} stopped: {_describe(service.failure)}"
+
+    def ready() -> str | None:
+        problem = healthy()
+        if problem is None and service.failing is not None:
+            failing = service.failing
+            problem = f"moving due messages fails: {type(failing).__name__}: {failing}"
+        return problem
+
+    state = StateCollector(engine.group, lambda: read_group(engine).gauges())
+    return serve(port, host=host, collectors=[state], healthy=healthy, ready=ready)
 
 
 def _describe(failure: BaseException | None) -> str:
@@ -191,6 +239,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int,
         default=DEFAULT_MAX_IDLE_MS,
         help="longest wait without looking at the queues",
+    )
+    schedule.add_argument(
+        "--metrics-port",
+        type=port_number,
+        help="serve /metrics, /healthz and /readyz on this port (0: any free one)",
+    )
+    schedule.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port listens on (default 127.0.0.1; 0.0.0.0 in a pod)",
     )
     schedule.set_defaults(func=_schedule)
 

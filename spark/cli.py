@@ -33,10 +33,12 @@ from idem.cli_args import (
     in_flags,
     non_negative_int,
     path_flag,
+    port_number,
     redis_url,
 )
 from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError, IdemError
+from idem.metrics import MetricsServer
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.demo import run_demo
@@ -51,6 +53,7 @@ from idem.spark.dlq import (
     replay,
 )
 from idem.spark.ledger_engine import engine_for_session, jar_paths, session_conf_for
+from idem.spark.metrics import serve_job_metrics
 from idem.spark.run import (
     Pipeline,
     RunSpec,
@@ -184,9 +187,14 @@ def _run(args: argparse.Namespace) -> int:
     used = engine_for_session(config.engine, session)  # before the query starts
     log.info("ledger engine: %s", used.value)
     pipeline = Pipeline(session, config, spec, client=client, sink_fn=sink_fn)
+    server = None
     try:
+        if args.metrics_port is not None:
+            server = _serve_metrics(pipeline, args)
         report = pipeline.run()
     finally:
+        if server is not None:
+            server.close()
         pipeline.close()
     print_report(report)
     if args.report_json:
@@ -196,6 +204,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.check and report.sink is not None and not report.sink.exactly_once:
         return EXIT_CHECK_FAILED
     return EXIT_OK
+
+
+def _serve_metrics(pipeline: Pipeline, args: argparse.Namespace) -> MetricsServer:
+    try:
+        server = serve_job_metrics(pipeline.engine, host=args.metrics_host, port=args.metrics_port)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"--metrics-port: {exc}") from exc
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise ConfigError(
+            f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+            f"{exc.strerror or exc}"
+        ) from exc
+    print(f"idem run: metrics on {server.url}/metrics", file=sys.stderr, flush=True)
+    return server
 
 
 def _check_run_paths(args: argparse.Namespace, spec: RunSpec, config: IdemConfig) -> None:
@@ -468,6 +490,16 @@ def _register_run(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     _add_session_options(run)
     run.add_argument(
         "--check", action="store_true", help="exit 4 if the Delta sink holds a key twice"
+    )
+    run.add_argument(
+        "--metrics-port",
+        type=port_number,
+        help="serve /metrics (and /healthz, /readyz) on this port while running (0: any)",
+    )
+    run.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics port listens on (default 127.0.0.1)",
     )
     run.set_defaults(func=_guarded(_run))
 
