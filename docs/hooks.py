@@ -4,8 +4,8 @@ A page holding ``<!-- generated: config -->`` gets the table of :class:`idem.Ide
 settings (name, type, default, ``IDEM_*`` variable, meaning); one holding
 ``<!-- generated: cli -->`` gets the help of every ``idem`` subcommand, taken from the
 argparse parser the console script builds; one holding ``<!-- generated: metrics -->``
-gets the table of every Prometheus metric ``idem.metrics`` defines. Both are made at build time, so they say
-what the installed code does, never what it did when a page was written.
+gets the table of every Prometheus metric ``idem.metrics`` defines. Both are made at
+build time, so they say what the installed code does, never what it did when a page was written.
 
 The repository's deployment guide, ``deploy/README.md``, is added to the site as the
 page ``deploy-recipes.md``, so the site carries it as shipped beside the files it
