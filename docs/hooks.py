@@ -4,7 +4,7 @@ A page holding ``<!-- generated: config -->`` gets the table of :class:`idem.Ide
 settings (name, type, default, ``IDEM_*`` variable, meaning); one holding
 ``<!-- generated: cli -->`` gets the help of every ``idem`` subcommand, taken from the
 argparse parser the console script builds; one holding ``<!-- generated: metrics -->``
-gets the table of every Prometheus metric ``idem.metrics`` defines. Both are made at
+gets the table of every Prometheus metric ``idem.metrics`` defines. All three are made at
 build time, so they say what the installed code does, never what it did when a page was written.
 
 The repository's deployment guide, ``deploy/README.md``, is added to the site as the
