@@ -348,6 +348,7 @@ class RedisHotStore:
         *,
         version: int,
         completed_at_ms: int | None = None,
+        buckets: Iterable[int] | None = None,
     ) -> CompleteResult:
         """Mark keys COMPLETED (for the dedup window) once ledger ``version`` holds them.
 
@@ -355,11 +356,20 @@ class RedisHotStore:
         reported in ``fenced``; absent, own, expired and already completed keys are
         completed. A ledger version covers the whole group, so every bucket's
         watermark moves to ``version`` — where it exists, was at least
-        ``version - 1`` and nothing in the bucket was fenced.
+        ``version - 1`` and nothing in the bucket was fenced. ``buckets`` limits
+        the call to those buckets (default: all), for writers that index one
+        version's keys a share of the buckets each: every key of a bucket given
+        must be in this call, and only those buckets' watermarks move.
         """
         self._owner(owner)
         for bucket in keys_by_bucket:
             self._bucket(bucket)
+        decided = range(self.buckets) if buckets is None else sorted(set(buckets))
+        for bucket in decided:
+            self._bucket(bucket)
+        stray = set(keys_by_bucket) - set(decided)
+        if stray:
+            raise ValueError(f"buckets: keys given for buckets {sorted(stray)} outside the call")
         now = self.clock.now_ms()
         at = now if completed_at_ms is None else completed_at_ms
         head_tail = [
@@ -370,7 +380,7 @@ class RedisHotStore:
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
         values_of: list[list[str]] = []  # every bucket's, checked before anything is sent
         tail = f"|{at}"
-        for bucket in range(self.buckets):
+        for bucket in decided:
             try:
                 prints = [fingerprints[key] for key in keys_by_bucket.get(bucket, ())]
             except KeyError as exc:
@@ -379,7 +389,7 @@ class RedisHotStore:
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
             values_of.append([fingerprint + tail for fingerprint in prints])
         try:
-            for bucket, values in enumerate(values_of):
+            for bucket, values in zip(decided, values_of, strict=True):
                 keys = keys_by_bucket.get(bucket, ())
                 tag = self._tags[bucket]
                 routing = [self._wm[bucket], f"{tag}:s:{token}"]

@@ -22,6 +22,7 @@ Nothing here runs on the driver, and nothing holds more than one task's rows.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -210,13 +211,9 @@ class ClaimTask:
         first_buckets = np.asarray(pc.take(buckets, pa.array(first)).to_numpy(), dtype=np.int64)
         by_bucket = np.argsort(first_buckets, kind="stable")
         names = pc.take(keys, pa.array(first[by_bucket])).to_pylist()
-        sorted_buckets = first_buckets[by_bucket]
-        edges = np.flatnonzero(np.diff(sorted_buckets)) + 1
-        grouped: dict[int, list[str]] = {}
-        for start, end in zip([0, *edges.tolist()], [*edges.tolist(), len(names)], strict=True):
-            grouped[int(sorted_buckets[start])] = names[start:end]
+        grouped = split_by_bucket(names, first_buckets[by_bucket])
         store = RedisHotStore.from_config(
-            self.config, client=_client(self.config.redis_url), clock=ManualClock(self.now_ms)
+            self.config, client=redis_client(self.config.redis_url), clock=ManualClock(self.now_ms)
         )
         calls = store.start_claim(self.owner, min_version=self.min_version, hold=self.hold)
         try:
@@ -307,11 +304,17 @@ def _first_rows(keys: pa.Array) -> np.ndarray:
     return np.sort(firsts.column("i_min").to_numpy())
 
 
+def split_by_bucket(keys: list[str], buckets: np.ndarray) -> dict[int, list[str]]:
+    """``keys`` by bucket, given the keys sorted by bucket and each one's bucket."""
+    edges = [0, *(np.flatnonzero(np.diff(buckets)) + 1).tolist(), len(keys)]
+    return {int(buckets[start]): keys[start:end] for start, end in itertools.pairwise(edges)}
+
+
 _clients: dict[str, RedisClient] = {}
 _clients_lock = threading.Lock()
 
 
-def _client(url: str) -> RedisClient:
+def redis_client(url: str) -> RedisClient:
     """One Redis client per URL in this Python worker (Spark reuses its workers)."""
     with _clients_lock:
         client = _clients.get(url)

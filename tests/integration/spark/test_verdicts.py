@@ -23,8 +23,10 @@ from idem.keys import bucket_of, group_by_bucket
 from idem.redis_server import RedisServer
 from idem.spark.decorator import fingerprint_sql
 from idem.spark.ids import spark_hex
+from idem.spark.index_task import IndexTask, index_committed
 from idem.spark.verdicts import (
     BUCKET_COLUMN,
+    CLAIMED,
     DETAIL_COLUMN,
     HASH_COLUMN,
     KEY_COLUMN,
@@ -160,3 +162,28 @@ def test_a_bucket_whose_index_is_behind_is_not_examined(
     behind = {k for k in keys if bucket_of(k, 4) == bucket_of(keys[0], 4)}
     assert {k for k, v in verdicts.items() if v is Verdict.STALE} == behind
     assert {k for k, v in verdicts.items() if v is Verdict.FRESH} == set(keys) - behind
+
+
+def test_the_executors_index_a_committed_version_bucket_by_bucket(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "index", buckets=16)
+    keys = [f"I{n}" for n in range(12)]  # 12 keys: some of the 16 buckets get none
+    dedup = Dedup(config)
+    version = dedup.catch_up()
+    now = dedup.clock.now_ms()
+    task = ClaimTask(config, "q1:3", now, version, True, "order_id")
+    verdicts = verdict_frame(_prepared(spark, [(k, 1) for k in [*keys, *keys]], 3), task)
+    claimed = verdicts.where(F.col(VERDICT_COLUMN).isin([int(v) for v in CLAIMED])).cache()
+
+    indexed = index_committed(claimed, IndexTask(config, "q1:3", version + 1, now, now), dedup.hot)
+
+    assert indexed.completed == len(keys)
+    assert indexed.fenced == ()
+    assert indexed.lagging == frozenset()
+    assert set(dedup.hot.watermarks().values()) == {version + 1}  # every bucket, touched or not
+    states = dedup.hot.lookup(group_by_bucket(keys, 16))
+    assert {s.status for s in states.values()} == {KeyStatus.COMPLETED}
+    again = ClaimTask(config, "q2:0", now, version + 1, True, "order_id")
+    rows = verdict_frame(_prepared(spark, [(k, 1) for k in keys], 2), again).collect()
+    assert {Verdict(r[VERDICT_COLUMN]) for r in rows} == {Verdict.COMPLETED}
