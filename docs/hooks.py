@@ -1,10 +1,12 @@
-"""MkDocs hooks: the configuration and command-line references, generated from the code.
+"""MkDocs hooks: the configuration, command-line and metrics references, made from the code.
 
 A page holding ``<!-- generated: config -->`` gets the table of :class:`idem.IdemConfig`'s
 settings (name, type, default, ``IDEM_*`` variable, meaning); one holding
 ``<!-- generated: cli -->`` gets the help of every ``idem`` subcommand, taken from the
-click command tree the console script runs. Both are made at build time, so they say
-what the installed code does, never what it did when a page was written.
+click command tree the console script runs; one holding ``<!-- generated: metrics -->``
+gets the table of every Prometheus metric ``idem.metrics`` defines. All three are made at
+build time, so they say what the installed code does, never what it did when a page was
+written.
 
 The repository's deployment guide, ``deploy/README.md``, is added to the site as the
 page ``deploy-recipes.md``, so the site carries it as shipped beside the files it
@@ -38,6 +40,7 @@ log = logging.getLogger("mkdocs.hooks.idem")
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_MARK = "<!-- generated: config -->"
 CLI_MARK = "<!-- generated: cli -->"
+METRICS_MARK = "<!-- generated: metrics -->"
 HELP_WIDTH = 100
 
 
@@ -63,7 +66,29 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         markdown = markdown.replace(CONFIG_MARK, config_table())
     if CLI_MARK in markdown:
         markdown = markdown.replace(CLI_MARK, cli_reference())
+    if METRICS_MARK in markdown:
+        markdown = markdown.replace(METRICS_MARK, metrics_table())
     return markdown
+
+
+def metrics_table() -> str:
+    """Every metric idem exposes: name, type, labels, meaning (from ``idem.metrics``)."""
+    from idem import metrics  # noqa: PLC0415 -- only the page that asks for it
+
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+
+    def row(name: str, kind: str, spec: Any) -> None:
+        labels = ", ".join(f"`{label}`" for label in spec.labels)
+        meaning = spec.help.replace("<", "&lt;")  # %RETRY%<group> is not an HTML tag
+        rows.append(f"| `{metrics.PREFIX}{name}` | {kind} | {labels} | {meaning} |")
+
+    for name, spec in metrics.COUNTERS.items():
+        row(f"{name}_total", "counter", spec)
+    for name, (spec, _buckets) in metrics.HISTOGRAMS.items():
+        row(name, "histogram", spec)
+    for name, spec in metrics.GAUGES.items():
+        row(name, "gauge (group state)", spec)
+    return "\n".join(rows)
 
 
 _ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):<code>(~?)([^<]+)</code>")

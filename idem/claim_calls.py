@@ -127,6 +127,27 @@ class ClaimCalls:
             claimed, retaken, duplicates, busy, frozenset(stale_buckets), stale, reclaimed
         )
 
+    def codes(self) -> tuple[bytes, list[str]]:
+        """Every added key's verdict as ``claim.lua``'s code letter, in the order the keys
+        were added (``S`` for the keys of a stale bucket), and the stored fingerprints of
+        the ``D`` keys in that order: the whole claim without a Python step per key."""
+        replies = self._replies()
+        parts: list[bytes] = []
+        fingerprints: list[str] = []
+        for (_, chunk), reply in zip(self._plan, replies, strict=True):
+            if reply[0] == 0:
+                parts.append(b"S" * len(chunk))
+                continue
+            codes = reply[1] if isinstance(reply[1], bytes) else reply[1].encode("ascii")
+            if len(codes) != len(chunk):
+                raise StoreUnavailable(
+                    f"Redis claim for group {self._store.group!r} answered {len(codes)} "
+                    f"verdicts for {len(chunk)} keys"
+                )
+            parts.append(codes)
+            fingerprints.extend(as_text(value) for value in reply[2:])
+        return b"".join(parts), fingerprints
+
     def abandon(self) -> None:
         """Give the claim up: read what was sent (never sending it again) and give back the
         leases this owner holds on the added keys. Best effort: a lease left behind expires."""

@@ -2,11 +2,11 @@
 
 Commands are contributed by each layer through a ``register(group)`` function that
 adds its click commands to the ``idem`` group: the core's own (``ledger``, ``index``,
-``acl``), ``idem.retry.cli`` (``schedule``, ``retry``) and ``idem.spark.cli``
-(``demo``, ``run``, ``dlq``). The layers are looked up by name so the core does not
-import the layers built on it. When a layer's optional dependency is not installed
-(PySpark for ``idem.spark.cli``), its commands are still listed, and running one says
-what to install (exit 2).
+``acl``, ``stats``), ``idem.retry.cli`` (``schedule``, ``retry``), ``idem.spark.cli``
+(``demo``, ``run``, ``dlq``) and ``idem.console.cli`` (``console``). The layers are
+looked up by name so the core does not import the layers built on it. When a layer's
+optional dependency is not installed (PySpark for ``idem.spark.cli``), its commands are
+still listed, and running one says what to install (exit 2).
 
 Exit codes, the same for every command: 0 done; 1 an idem error (the message says
 which) or, for ``ledger audit``, keys held more than once; 2 bad arguments or settings
@@ -58,7 +58,15 @@ __all__ = [
     "parse_args",
 ]
 
-LAYERS = ("idem.ledger.cli", "idem.index_cli", "idem.acl_cli", "idem.retry.cli", "idem.spark.cli")
+LAYERS = (
+    "idem.ledger.cli",
+    "idem.index_cli",
+    "idem.acl_cli",
+    "idem.stats_cli",
+    "idem.retry.cli",
+    "idem.spark.cli",
+    "idem.console.cli",
+)
 """Modules that may contribute commands; a missing one is simply absent."""
 
 

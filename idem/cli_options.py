@@ -59,6 +59,26 @@ POSITIVE = WholeNumber(1)
 NON_NEGATIVE = WholeNumber(0)
 
 
+class PortNumber(click.ParamType[int]):
+    """A TCP port, 0 to 65535 (0: any free port)."""
+
+    name = "PORT"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
+            return value
+        try:
+            number = int(str(value))
+        except ValueError:
+            number = -1
+        if not 0 <= number <= 65535:
+            self.fail(f"{str(value)!r} is not a port number (0 to 65535)", param, ctx)
+        return number
+
+
+PORT = PortNumber()
+
+
 def _default(setting: str) -> str:
     """A setting's default as :class:`IdemConfig` declares it."""
     found = next(f for f in fields(IdemConfig) if f.name == setting)
@@ -188,3 +208,17 @@ json_option = click.option(
     help="Print one JSON document on stdout (messages and progress go to stderr).",
 )
 """``--json``: for every command that prints data."""
+
+
+def metrics_options(host_help: str) -> Decorator:
+    """``--metrics-port`` and ``--metrics-host``: for a command that serves ``/metrics``,
+    ``/healthz`` and ``/readyz`` while it runs (no port: nothing is served)."""
+    return apply(
+        click.option(
+            "--metrics-port",
+            type=PORT,
+            help="Serve /metrics, /healthz and /readyz on this port while running "
+            "(0: any free one).",
+        ),
+        click.option("--metrics-host", metavar="ADDRESS", default="127.0.0.1", help=host_help),
+    )

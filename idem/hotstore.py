@@ -51,6 +51,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.commands.core import Script
 
+from idem import metrics
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
@@ -272,6 +273,7 @@ class RedisHotStore:
         """``replies`` of streamed calls; raises :class:`StoreUnavailable` on an error reply."""
         for reply in replies:
             if isinstance(reply, redis.RedisError):
+                metrics.count("redis_errors", self.group, component="dedup")
                 raise StoreUnavailable(
                     f"Redis {operation} for group {self.group!r} failed: {reply} "
                     "(the outcome is unknown; read the state again before acting on it)"
@@ -286,6 +288,7 @@ class RedisHotStore:
         try:
             replies: list[Any] = pipe.execute()
         except redis.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="dedup")
             raise StoreUnavailable(
                 f"Redis {operation} for group {self.group!r} failed: {exc} "
                 "(the outcome is unknown; read the state again before acting on it)"
@@ -337,6 +340,21 @@ class RedisHotStore:
         (on a single server) while the caller prepares the next; see :class:`ClaimCalls`."""
         return ClaimCalls(self, self._owner(owner), min_version=min_version, hold=hold)
 
+    def _decided(
+        self, keys_by_bucket: Mapping[int, Sequence[str]], buckets: Iterable[int] | None
+    ) -> Sequence[int]:
+        """The buckets a :meth:`complete` decides, checked: each is one of the group's,
+        and every bucket holding keys is among them."""
+        for bucket in keys_by_bucket:
+            self._bucket(bucket)
+        decided = range(self.buckets) if buckets is None else sorted(set(buckets))
+        for bucket in decided:
+            self._bucket(bucket)
+        stray = set(keys_by_bucket) - set(decided)
+        if stray:
+            raise ValueError(f"buckets: keys given for buckets {sorted(stray)} outside the call")
+        return decided
+
     def complete(
         self,
         keys_by_bucket: Mapping[int, Sequence[str]],
@@ -345,6 +363,7 @@ class RedisHotStore:
         *,
         version: int,
         completed_at_ms: int | None = None,
+        buckets: Iterable[int] | None = None,
     ) -> CompleteResult:
         """Mark keys COMPLETED (for the dedup window) once ledger ``version`` holds them.
 
@@ -352,11 +371,13 @@ class RedisHotStore:
         reported in ``fenced``; absent, own, expired and already completed keys are
         completed. A ledger version covers the whole group, so every bucket's
         watermark moves to ``version`` — where it exists, was at least
-        ``version - 1`` and nothing in the bucket was fenced.
+        ``version - 1`` and nothing in the bucket was fenced. ``buckets`` limits
+        the call to those buckets (default: all), for writers that index one
+        version's keys a share of the buckets each: every key of a bucket given
+        must be in this call, and only those buckets' watermarks move.
         """
         self._owner(owner)
-        for bucket in keys_by_bucket:
-            self._bucket(bucket)
+        decided = self._decided(keys_by_bucket, buckets)
         now = self.clock.now_ms()
         at = now if completed_at_ms is None else completed_at_ms
         head_tail = [
@@ -367,7 +388,7 @@ class RedisHotStore:
         plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
         values_of: list[list[str]] = []  # every bucket's, checked before anything is sent
         tail = f"|{at}"
-        for bucket in range(self.buckets):
+        for bucket in decided:
             try:
                 prints = [fingerprints[key] for key in keys_by_bucket.get(bucket, ())]
             except KeyError as exc:
@@ -376,7 +397,7 @@ class RedisHotStore:
                 raise ValueError("fingerprints: a fingerprint must not contain '|'")
             values_of.append([fingerprint + tail for fingerprint in prints])
         try:
-            for bucket, values in enumerate(values_of):
+            for bucket, values in zip(decided, values_of, strict=True):
                 keys = keys_by_bucket.get(bucket, ())
                 tag = self._tags[bucket]
                 routing = [self._wm[bucket], f"{tag}:s:{token}"]
@@ -518,6 +539,7 @@ class RedisHotStore:
                     return
                 stored = self.client.get(name)  # another writer recorded one meanwhile
         except redis.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="dedup")
             raise StoreUnavailable(
                 f"Redis ledger check for group {self.group!r} failed: {exc}"
             ) from exc

@@ -19,14 +19,13 @@ from idem.cli_options import json_option, settings
 from idem.cli_output import emit_json, progress, say, table, warn, where
 from idem.dedup import Dedup
 from idem.hotstore import RedisHotStore
+from idem.index_status import index_status, open_index
 
 
 def _dedup(args: Args) -> tuple[Dedup, RedisHotStore]:
     config = config_of(args)
     check_table_path(config.resolved_ledger_path, name=path_flag(args, "ledger_path"))
-    config = with_ledger_buckets(config)
-    hot = RedisHotStore.from_config(config)
-    return Dedup(config, hot=hot), hot
+    return open_index(with_ledger_buckets(config))
 
 
 _INDEX = settings("group", "redis_url", "data_dir", "ledger_path")
@@ -41,26 +40,26 @@ _INDEX = settings("group", "redis_url", "data_dir", "ledger_path")
 @json_option
 @handler
 def _status(args: Args) -> int:
-    dd, hot = _dedup(args)
-    version = dd.ledger.version()
-    marks = hot.watermarks()
-    held = hot.held_keys()
-    states = [_state(marks[bucket], version) for bucket in range(hot.buckets)]
-    behind = sum(state in ("missing", "behind") for state in states)
-    ahead = states.count("ahead")
+    status = index_status(*_dedup(args))
+    version = status.ledger_version
     buckets = [
-        {"bucket": bucket, "indexed_version": marks[bucket], "keys": held[bucket], "state": state}
-        for bucket, state in enumerate(states)
+        {
+            "bucket": b.bucket,
+            "indexed_version": b.indexed_version,
+            "keys": b.keys,
+            "state": b.state,
+        }
+        for b in status.buckets
     ]
     if args.json:
         emit_json(
             {
-                "group": hot.group,
-                "ledger_path": dd.ledger.path,
+                "group": status.group,
+                "ledger_path": status.ledger_path,
                 "ledger_version": version,
-                "keys": sum(held.values()),
-                "to_catch_up": behind,
-                "ahead": ahead,
+                "keys": status.held,
+                "to_catch_up": status.to_catch_up,
+                "ahead": status.ahead,
                 "buckets": buckets,
             }
         )
@@ -79,28 +78,19 @@ def _status(args: Args) -> int:
         )
     say(
         args,
-        f"idem index status: group {hot.group!r}, ledger version {version}, "
-        f"{sum(held.values())} completed key(s) held, {behind} of {hot.buckets} bucket(s) "
-        "to catch up or rebuild",
+        f"idem index status: group {status.group!r}, ledger version {version}, "
+        f"{status.held} completed key(s) held, {status.to_catch_up} of {len(status.buckets)} "
+        "bucket(s) to catch up or rebuild",
     )
-    if ahead:
+    if status.ahead:
         warn(
-            f"idem index status: {ahead} bucket(s) indexed versions past this ledger's "
+            f"idem index status: {status.ahead} bucket(s) indexed versions past this ledger's "
             f"({version}): Redis indexes another table, or this one was replaced. A Delta "
             f"sink's table is its own ledger: pass --ledger-path TABLE "
-            f"(this one is {where(dd.ledger.path)})"
+            f"(this one is {where(status.ledger_path)})"
         )
         return EXIT_ERROR
     return 0
-
-
-def _state(mark: int | None, version: int) -> str:
-    """A bucket's index against the ledger: ``ahead`` means another ledger was indexed."""
-    if mark is None:
-        return "missing"
-    if mark < version:
-        return "behind"
-    return "ahead" if mark > version else "current"
 
 
 @click.command(

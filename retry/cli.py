@@ -3,7 +3,9 @@
 ``idem schedule --group G`` runs the group's schedule service in the
 foreground until interrupted (SIGINT / SIGTERM); it exits 1 if the service's
 thread ever ends on its own (the service outlives Redis's errors, so that is a
-bug, and a supervisor should restart the process). ``idem retry rebuild``
+bug, and a supervisor should restart the process); with ``--metrics-port`` it also
+serves its metrics, the group's state gauges and the ``/healthz`` and ``/readyz``
+probes. ``idem retry rebuild``
 clears the group's Redis side and rebuilds it from the Delta retry journal;
 ``idem retry compact`` snapshots the live messages into the journal so that
 rebuilds start from the snapshot instead of version 0; ``idem retry stats``
@@ -23,13 +25,15 @@ import click
 
 from idem.cli_args import check_not_a_file, config_of, path_flag
 from idem.cli_command import EXIT_INTERRUPTED, Args, IdemCommand, IdemGroup, handler
-from idem.cli_options import POSITIVE, json_option, settings
+from idem.cli_options import POSITIVE, json_option, metrics_options, settings
 from idem.cli_output import emit_json, progress, say, table, where
 from idem.config import IdemConfig
-from idem.errors import StoreUnavailable, UnsafeRedisConfig
+from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
+from idem.metrics import MetricsServer, StateCollector, serve
 from idem.redis_client import redacted
 from idem.retry.engine import RetryEngine
-from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS
+from idem.retry.group_state import read_group
+from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS, ScheduleService
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ def _config(args: Args) -> IdemConfig:
     default=DEFAULT_MAX_IDLE_MS,
     help="Longest wait without looking at the queues.",
 )
+@metrics_options("Address the metrics port listens on (0.0.0.0 in a pod).")
 @handler
 def _schedule(args: Args) -> int:
     engine = RetryEngine(_config(args))
@@ -86,6 +91,24 @@ def _schedule(args: Args) -> int:
         flush=True,
     )
     service.start()
+    server = None
+    if args.metrics_port is not None:
+        try:
+            server = schedule_metrics(
+                engine, service, host=args.metrics_host, port=args.metrics_port
+            )
+        except ModuleNotFoundError as exc:
+            service.stop()
+            engine.close()
+            raise ConfigError(f"--metrics-port: {exc}") from exc
+        except OSError as exc:  # the port is taken, or the address is not this host's
+            service.stop()
+            engine.close()
+            raise ConfigError(
+                f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+                f"{exc.strerror or exc}"
+            ) from exc
+        print(f"idem schedule: metrics on {server.url}/metrics", file=sys.stderr, flush=True)
     code = 0
     try:
         while not stop.wait(0.5):
@@ -104,9 +127,37 @@ def _schedule(args: Args) -> int:
         code = EXIT_INTERRUPTED
     finally:
         service.stop()
+        if server is not None:
+            server.close()
         print(f"idem schedule: moved {service.moved_total} message(s)", file=sys.stderr)
         engine.close()
     return code
+
+
+def schedule_metrics(
+    engine: RetryEngine, service: ScheduleService, *, host: str, port: int
+) -> MetricsServer:
+    """Serve the schedule service's metrics, the group's state gauges, and its probes.
+
+    ``/healthz`` fails once the service's thread has ended (the process should be
+    restarted); ``/readyz`` also fails while its moving loop fails in a row (Redis away
+    or refusing writes).
+    """
+
+    def healthy() -> str | None:
+        if service.alive:
+            return None
+        return f"schedule service of group {engine.group} stopped: {_describe(service.failure)}"
+
+    def ready() -> str | None:
+        problem = healthy()
+        if problem is None and service.failing is not None:
+            failing = service.failing
+            problem = f"moving due messages fails: {type(failing).__name__}: {failing}"
+        return problem
+
+    state = StateCollector(engine.group, lambda: read_group(engine).gauges())
+    return serve(port, host=host, collectors=[state], healthy=healthy, ready=ready)
 
 
 def _describe(failure: BaseException | None) -> str:

@@ -366,6 +366,22 @@ class DeadLetterTable:
         """How many rows (of one status)."""
         return len(self.list(status=status))
 
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Rows by (original topic, status), read from those two columns only."""
+        table = self._table(create=False)
+        if table is None:
+            return {}
+
+        def read() -> pa.Table:
+            return (
+                read_table(table, ["topic", "status"])
+                .group_by(["topic", "status"])
+                .aggregate([([], "count_all")])
+            )
+
+        rows = self.faults.delta(read, what=f"count {self.name}", wrap=DeadLetterError)
+        return {(str(r["topic"]), str(r["status"])): int(r["count_all"]) for r in rows.to_pylist()}
+
     def _set_status(
         self,
         letters: Iterable[DeadLetter | tuple[str, str]],

@@ -20,13 +20,15 @@ Elsewhere a failure of Redis (an outage or an error reply) surfaces as
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
 import redis
 
+from idem import metrics
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
@@ -198,6 +200,7 @@ class RetryEngine:
         try:
             return self.faults.redis(fn, what=what, attempts=attempts)
         except redis.exceptions.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="retry")
             raise StoreUnavailable(
                 f"{what} failed: Redis answered {type(exc).__name__}: {exc}"
             ) from exc
@@ -359,7 +362,10 @@ class RetryEngine:
                 )
                 self._stage("resubmit", [d.original for d in scheduled])
                 status = SendBackStatus.RESUBMIT_LATER
-        return self._result(decisions, status, now, journaled=True)
+        result = self._result(decisions, status, now, journaled=True)
+        # what a replayed batch had journaled already was counted by its first attempt
+        _count_outcomes(self.group, result.outcomes, {e.msg_id for e in written.events})
+        return result
 
     def _result(
         self,
@@ -602,3 +608,25 @@ class RetryEngine:
     def close(self) -> None:
         """Close the Redis connection pool."""
         self.client.close()
+
+
+def _count_outcomes(
+    group: str, outcomes: Sequence[SendBackOutcome], journaled: Collection[str]
+) -> None:
+    """Retries scheduled by level and dead letters by reason, into the process's metrics,
+    whoever sent them back (a Spark batch, a consumer, a DLQ replay); only the messages
+    whose event this call ``journaled`` (by msg id) count."""
+    levels: Counter[int] = Counter()
+    reasons: Counter[str] = Counter()
+    for o in outcomes:
+        if o.status is SendBackStatus.DEAD and o.msg_id in journaled:
+            reasons[metrics.reason_label(o.reason or "")] += 1
+        elif (
+            o.status in (SendBackStatus.SCHEDULED, SendBackStatus.FALLBACK)
+            and o.new_msg_id in journaled
+        ):
+            levels[o.delay_level] += 1
+    for level, n in levels.items():
+        metrics.count("retries_scheduled", group, n, level=level)
+    for reason, n in reasons.items():
+        metrics.count("dead_letters", group, n, reason=reason)

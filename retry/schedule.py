@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from idem import metrics
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, IdemError
 from idem.retry.faults import REDIS_TRANSIENT
@@ -106,6 +107,8 @@ class ScheduleService:
         self._sync_thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         """The unexpected error that ended the service's thread (``None``: none did)."""
+        self.failing: BaseException | None = None
+        """The last error of the moving loop while it fails in a row (``None``: it moves)."""
 
     # -- one step ------------------------------------------------------------------------
 
@@ -154,10 +157,17 @@ class ScheduleService:
         while True:
             result = self.store.move_due(now, self.batch_size)
             moved += result.moved
+            if result.moved:
+                metrics.observe(
+                    "schedule_lateness_seconds",
+                    self.store.group,
+                    *(ms / 1000 for ms in result.lateness_ms),
+                )
             self._next_due_ms = result.next_due_ms
             if result.moved + result.dropped < self.batch_size:
                 break
         self.moved_total += moved
+        metrics.count("schedule_moved", self.store.group, moved)
         return moved
 
     @property
@@ -225,7 +235,10 @@ class ScheduleService:
                 self._recovered(failures)
                 failures, backoff_s = 0, INITIAL_BACKOFF_S
             except SERVICE_FAILURES as exc:
+                if isinstance(exc, redis.exceptions.RedisError):
+                    metrics.count("redis_errors", self.store.group, component="schedule")
                 self._log_failure(exc, failures, backoff_s)
+                self.failing = exc
                 failures += 1
                 if pubsub is not None:
                     try:
@@ -264,6 +277,7 @@ class ScheduleService:
             )
 
     def _recovered(self, failures: int) -> None:
+        self.failing = None
         if failures:
             log.info("%s: moving again after %d failed attempt(s)", self.name, failures)
 

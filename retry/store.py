@@ -153,6 +153,8 @@ class MoveResult:
     moved: int
     dropped: int
     next_due_ms: int | None
+    lateness_ms: tuple[int, ...] = ()
+    """How long past due the head of each queue moved from was (one per queue)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,12 +266,13 @@ class ScheduleStore:
     def move_due(self, now_ms: int, budget: int) -> MoveResult:
         """Move up to ``budget`` due messages to the retry topic (one script call)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.zrangebyscore(self.keys.heads, "-inf", now_ms)
+        pipe.zrangebyscore(self.keys.heads, "-inf", now_ms, withscores=True)
         pipe.zrange(self.keys.heads, 0, 0, withscores=True)
         due_queues, head = pipe.execute()
         if not due_queues:
             return MoveResult(0, 0, int(head[0][1]) if head else None)
-        queue_ids = [_text(q) for q in due_queues]
+        queue_ids = [_text(q) for q, _due in due_queues]
+        lateness = tuple(max(0, now_ms - int(due)) for _q, due in due_queues)
         keys = [
             self.keys.heads,
             self.keys.live,
@@ -280,12 +283,18 @@ class ScheduleStore:
         ]
         moved, dropped, next_due = self._move(keys=keys, args=[now_ms, budget, *queue_ids])
         nxt = _text(next_due)
-        return MoveResult(int(moved), int(dropped), int(float(nxt)) if nxt else None)
+        return MoveResult(int(moved), int(dropped), int(float(nxt)) if nxt else None, lateness)
 
     def next_due_ms(self) -> int | None:
         """Due time of the earliest scheduled message (``None`` when none is scheduled)."""
         head = self.client.zrange(self.keys.heads, 0, 0, withscores=True)
         return int(head[0][1]) if head else None
+
+    def queue_heads(self) -> dict[str, int]:
+        """Due time (ms) of each schedule queue's head, by queue id (``level - 1``, or
+        ``timer``); a queue holding nothing is absent."""
+        heads = self.client.zrange(self.keys.heads, 0, -1, withscores=True)
+        return {_text(entry[0]): int(entry[1]) for entry in heads}
 
     def wake(self) -> None:
         """Tell every schedule service of the group to look at the queues now."""
@@ -316,7 +325,7 @@ class ScheduleStore:
         replies = pipe.execute()
         by_queue = {q: int(n) for q, n in zip(heads, replies[: len(heads)], strict=True)}
         length, live, progress = replies[len(heads) :]
-        undelivered = delivered = 0
+        undelivered, delivered = int(length), 0  # no consumer group yet: none was delivered
         try:
             for info in self.client.xinfo_groups(self.keys.stream):
                 if _text(info.get("name", "")) == self.group:

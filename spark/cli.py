@@ -36,16 +36,25 @@ from idem.cli_command import (
     fail,
     handler,
 )
-from idem.cli_options import NON_NEGATIVE, Decorator, apply, json_option, settings
+from idem.cli_options import (
+    NON_NEGATIVE,
+    Decorator,
+    apply,
+    json_option,
+    metrics_options,
+    settings,
+)
 from idem.cli_output import emit_json, progress, say, table, where
 from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError
+from idem.metrics import MetricsServer
 from idem.retry.dlq import DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.spark.demo import DemoResult, run_demo
 from idem.spark.demo_data import DEMO_DELAY_LEVELS, DEMO_MAX_RECONSUME_TIMES
 from idem.spark.dlq import Selection, describe, discard, replay, table_rows
 from idem.spark.ledger_engine import engine_for_session, jar_paths, session_conf_for
+from idem.spark.metrics import serve_job_metrics
 from idem.spark.run import (
     Pipeline,
     RunReport,
@@ -294,6 +303,7 @@ _RUN_OPTIONS: list[Decorator] = [
     ),
     _session_options,
     click.option("--check", is_flag=True, help="Exit 4 if the Delta sink holds a key twice."),
+    metrics_options("Address the metrics port listens on."),
     json_option,
 ]
 
@@ -328,9 +338,14 @@ def _run(args: Args) -> int:
     used = engine_for_session(config.engine, session)  # before the query starts
     log.info("ledger engine: %s", used.value)
     pipeline = Pipeline(session, config, spec, client=client, sink_fn=sink_fn)
+    server = None
     try:
+        if args.metrics_port is not None:
+            server = _serve_metrics(pipeline, args)
         report = pipeline.run()
     finally:
+        if server is not None:
+            server.close()
         pipeline.close()
     _print_run(args, report)
     if args.report_json:
@@ -348,6 +363,20 @@ def _print_run(args: Args, report: RunReport) -> None:
         emit_json(json.loads(report_json(report)))
     else:
         print_report(report)
+
+
+def _serve_metrics(pipeline: Pipeline, args: Args) -> MetricsServer:
+    try:
+        server = serve_job_metrics(pipeline.engine, host=args.metrics_host, port=args.metrics_port)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"--metrics-port: {exc}") from exc
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise ConfigError(
+            f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+            f"{exc.strerror or exc}"
+        ) from exc
+    print(f"idem run: metrics on {server.url}/metrics", file=sys.stderr, flush=True)
+    return server
 
 
 def _check_run_paths(args: Args, spec: RunSpec, config: IdemConfig) -> None:

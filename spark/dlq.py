@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from pyspark.sql import Row
 
+from idem import metrics
 from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import datetime_of_ms
 from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
@@ -184,6 +185,7 @@ def replay(
         StatsStore(engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms).add(
             "dlq_replayed", len(left)
         )
+        metrics.count("replays", engine.group, len(left), kind="dlq")
         if progress is not None:
             progress(min(start + len(chunk), total), total)
     return ReplayResult(

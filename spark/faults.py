@@ -1,4 +1,4 @@
-"""Crash points inside a micro-batch, for the driver-crash tests (C10).
+"""Crash points inside a micro-batch, for the driver-crash tests (C10) and the executors.
 
 ``IDEM_SPARK_KILL_AT="after_sink@3,after_commit@5"`` makes the driver kill
 itself with SIGKILL when batch 3 reaches the point after the sink ran, or batch
@@ -6,6 +6,9 @@ itself with SIGKILL when batch 3 reaches the point after the sink ran, or batch
 batch that gets there. Nothing happens unless the variable is set; the
 restarted job runs without it. A SIGKILL leaves no chance to clean up, which
 is the point: a driver that dies between two steps of a batch, at a chosen moment.
+
+:class:`TaskFault` stages the same on an executor: a claim task that fails, whose
+Python worker is killed mid-claim, or that straggles, in its first attempt only.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -75,3 +79,59 @@ def crash_point(point: CrashPoint, batch_id: int, plan: CrashPlan | None = None)
             print(f"idem: crash point {point.value} at batch {batch_id}: SIGKILL", file=sys.stderr)
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TaskFaultPoint(StrEnum):
+    """Moments of an executor's claim task at which a staged fault fires."""
+
+    CLAIMS_SENT = "claims_sent"
+    """The claims are sent to Redis, their replies not read yet (mid-claim)."""
+    CLAIMED = "claimed"
+    """Every row's verdict is known, none handed back to Spark yet."""
+
+
+class TaskFaultAction(StrEnum):
+    """What a staged fault does to the task."""
+
+    RAISE = "raise"
+    """The task fails with :class:`SimulatedTaskFailure`; Spark retries it."""
+    KILL = "kill"
+    """The Python worker running the task kills itself with SIGKILL."""
+    STALL = "stall"
+    """The task sleeps for ``stall_s`` (a straggler: Spark may start a speculative copy)."""
+
+
+class SimulatedTaskFailure(RuntimeError):
+    """An executor task failure staged by a :class:`TaskFault`."""
+
+
+@dataclass(frozen=True)
+class TaskFault:
+    """A fault staged in the first attempt of claim tasks.
+
+    Shipped to the executors with the task; it fires only in attempt 0 of the
+    task for ``partition`` (``None``: of every task that has rows), so Spark's
+    retry (or speculative copy) runs clean.
+    """
+
+    point: TaskFaultPoint
+    action: TaskFaultAction
+    partition: int | None = None
+    stall_s: float = 0.0
+
+    def fire(self, point: TaskFaultPoint) -> None:
+        """Act if this is the staged point of the staged task's first attempt."""
+        from pyspark import TaskContext  # noqa: PLC0415 -- runs on an executor
+
+        context = TaskContext.get()
+        if point is not self.point or context is None:
+            return
+        if context.attemptNumber() != 0:
+            return
+        if self.partition is not None and context.partitionId() != self.partition:
+            return
+        if self.action is TaskFaultAction.RAISE:
+            raise SimulatedTaskFailure(f"simulated task failure at {point.value}")
+        if self.action is TaskFaultAction.KILL:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.stall_s)

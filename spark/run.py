@@ -53,6 +53,7 @@ from idem.spark.kafka_source import (
     parse_source,
 )
 from idem.spark.messages import SOURCE_ID_COLUMN
+from idem.spark.metrics import observe_messages
 from idem.spark.retry_source import retry_stream
 from idem.spark.sink_result import SinkFunction
 from idem.spark.stats import StatsStore, Totals
@@ -389,9 +390,11 @@ class Pipeline:
                 max_files_per_trigger=spec.max_files_per_trigger,
                 new_files=new_files,
             )
-        stream = rows.unionByName(
-            retry_stream(self.spark, schema=schema, config=self.sink.config),
-            allowMissingColumns=True,
+        stream = observe_messages(
+            rows.unionByName(
+                retry_stream(self.spark, schema=schema, config=self.sink.config),
+                allowMissingColumns=True,
+            )
         )
         writer = (
             stream.writeStream.foreachBatch(self.sink)

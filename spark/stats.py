@@ -10,12 +10,14 @@ demo`` print their reports from these totals.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 
+from idem import metrics
+from idem.config import IdemConfig
 from idem.errors import StoreUnavailable
 from idem.redis_cluster import RedisClient
 
@@ -37,6 +39,11 @@ class RecordedBatch(Protocol):
     @property
     def batch_id(self) -> int:
         """Spark's micro-batch id."""
+        ...
+
+    @property
+    def timings(self) -> Mapping[str, float]:
+        """Seconds spent per step (``claim`` and ``commit`` go into the latency metrics)."""
         ...
 
     def once_counters(self) -> dict[str, int]:
@@ -149,6 +156,9 @@ class StatsStore:
     def record(self, batch: RecordedBatch) -> bool:
         """Add a batch's counters; returns False when the batch had been recorded (a replay).
 
+        The batch is also counted into the process's metrics (:mod:`idem.metrics`): its
+        rows on the first record, only a replay on a later one.
+
         Nothing is counted on every attempt: what a replay can repeat is counted
         (``possible_repeats``) when its claims are re-taken, before the sink runs.
         """
@@ -162,7 +172,9 @@ class StatsStore:
                 args=argv,
             )
         except redis.RedisError as exc:
+            metrics.count("redis_errors", self.group, component="spark")
             raise StoreUnavailable(f"recording batch counters failed: {exc}") from exc
+        metrics.count_batch(self.group, once, timings=batch.timings, replay=not first)
         return bool(first)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -187,3 +199,15 @@ class StatsStore:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def stats_section(config: IdemConfig, client: RedisClient) -> dict[str, Any]:
+    """``idem stats``'s ``spark`` part: the group's batch totals (see :class:`Totals`)."""
+    totals = StatsStore(client, config.group, marker_ttl_ms=config.dedup_window_ms).totals()
+    return {
+        "spark": {
+            **asdict(totals),
+            "duplicates_total": totals.duplicates_total,
+            "retried_total": totals.retried_total,
+        }
+    }

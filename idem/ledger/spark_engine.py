@@ -24,6 +24,7 @@ chooses this engine only for a session checked to run it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import random
@@ -218,6 +219,68 @@ class SparkDeltaLedger:
             {_TXN_APP_ID: app_id, _TXN_VERSION: str(txn_version), _AUTO_MERGE: "true"}
         )
         frame = session.createDataFrame(source)  # the batch's one trip into the JVM
+        keys = source.column("key")
+        result = self._merge(session, frame, offered=source.num_rows, keys=lambda: keys,
+                             since=since, what=f"commit {app_id}/{txn_version}")  # fmt: skip
+        if result.version is not None:
+            added = source
+            if result.already_present:
+                gone = pa.array(result.already_present, pa.string())
+                added = source.filter(pc.invert(pc.is_in(keys, value_set=gone)))
+            self._added.remember_own(result.version, added)
+        return dataclasses.replace(result, batch_duplicates=batch_duplicates)
+
+    def commit_frame(
+        self,
+        frame: DataFrame,
+        *,
+        offered: int,
+        app_id: str,
+        txn_version: int,
+        match_since_ms: int | None,
+    ) -> CommitResult:
+        """:meth:`commit` of rows that are a Spark DataFrame: written by the executors.
+
+        ``frame`` holds one row per key, with the ledger columns typed as
+        :data:`~idem.ledger.schema.LEDGER_SCHEMA` (the user's columns may follow);
+        ``offered`` is its row count. Nothing of the rows comes to the driver,
+        except, when the ledger held some of the keys already, the keys (to name
+        those it skipped).
+        """
+        if not app_id:
+            raise LedgerError("app_id: must be a non-empty string")
+        if txn_version < 0:
+            raise LedgerError(f"txn_version: {txn_version} must be >= 0")
+        if offered == 0:
+            return CommitResult(version=None, inserted=0)
+        since = match_since_ms
+        if since is None and self._dedup_window_ms is not None:
+            since = self._clock.now_ms() - self._dedup_window_ms
+        self.version()
+        session = self._write_session(
+            {_TXN_APP_ID: app_id, _TXN_VERSION: str(txn_version), _AUTO_MERGE: "true"}
+        )
+        return self._merge(
+            session,
+            frame,
+            offered=offered,
+            keys=lambda: frame.select("key").toArrow().column("key"),
+            since=since,
+            what=f"commit {app_id}/{txn_version}",
+        )
+
+    def _merge(
+        self,
+        session: SparkSession,
+        frame: DataFrame,
+        *,
+        offered: int,
+        keys: Callable[[], pa.ChunkedArray],
+        since: int | None,
+        what: str,
+    ) -> CommitResult:
+        """The insert-only MERGE of ``frame`` (``offered`` rows, one per key) in the write
+        ``session``; ``keys`` gives the offered keys when some were not inserted."""
         condition = "t.bucket = s.bucket AND t.key = s.key"
         if since is not None:
             condition += " AND " + _recent_sql(since, alias="t")
@@ -241,32 +304,17 @@ class SparkDeltaLedger:
                 ),
             )
 
-        ours = self._retrying(attempt, what=f"commit {app_id}/{txn_version}")
+        ours = self._retrying(attempt, what=what)
         if ours is None:  # Delta skipped it: that txn was committed before
-            return CommitResult(
-                version=None,
-                inserted=0,
-                replayed=True,
-                batch_duplicates=batch_duplicates,
-                attempts=attempts,
-            )
+            return CommitResult(version=None, inserted=0, replayed=True, attempts=attempts)
         inserted = _inserted(ours)
-        keys = source.column("key")
         already: list[str] = []
-        fresh = source
         if inserted == 0:
-            already = keys.to_pylist()
-            fresh = source.slice(0, 0)
-        elif inserted < source.num_rows:
-            already = keys_not_added(self._store, self._path, ours, keys)
-            fresh = source.filter(pc.invert(pc.is_in(keys, value_set=pa.array(already))))
-        self._added.remember_own(ours.version, fresh)
+            already = keys().to_pylist()
+        elif inserted < offered:
+            already = keys_not_added(self._store, self._path, ours, keys())
         return CommitResult(
-            version=ours.version,
-            inserted=inserted,
-            already_present=already,
-            batch_duplicates=batch_duplicates,
-            attempts=attempts,
+            version=ours.version, inserted=inserted, already_present=already, attempts=attempts
         )
 
     def _create(self, frame: DataFrame) -> None:

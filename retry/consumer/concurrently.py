@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from idem import metrics
 from idem.errors import IdemError
 from idem.retry.consumer.listener import BatchResult, Deferred, Failure
 from idem.retry.consumer.process_queue import ProcessQueue
@@ -181,6 +182,8 @@ class ConcurrentlyService:
         acked = [messages[i] for i in result.acked if i not in pending]
         failed = [messages[i] for i in sorted(result.failed)]
         self.rt.stats.add(consumed_ok=len(acked) + len(pending), consume_failed=len(failed))
+        # the listener's own rejections; a busy key or a store outage is not one
+        metrics.count("failed", self.rt.group, sum(f.counts for f in result.failed.values()))
         keep: list[MessageExt] = []
         elsewhere: set[int] = set()
         if self.rt.broadcasting:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
+from idem import metrics
 from idem.config import MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError
@@ -164,6 +165,8 @@ class DedupStats:
     commits: int = 0
     duplicates: Counter[str] = field(default_factory=Counter)
     records: deque[DuplicateRecord] = field(default_factory=lambda: deque(maxlen=100_000))
+    group: str | None = None
+    """Also count into the process's metrics of this group (see :mod:`idem.metrics`)."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -176,6 +179,18 @@ class DedupStats:
             for record in records:
                 self.duplicates[record.cause] += 1
                 self.records.append(record)
+        if self.group is not None:
+            self._count(records, counts)
+
+    def _count(self, records: Sequence[DuplicateRecord], counts: dict[str, int]) -> None:
+        group = self.group
+        assert group is not None
+        for name, metric in (("completed", "applied"), ("busy", "busy")):
+            if counts.get(name, 0) > 0:
+                metrics.count(metric, group, counts[name])
+        causes = Counter(r.cause for r in records if r.cause != BUSY)
+        for cause, n in causes.items():
+            metrics.count("duplicates", group, n, cause=cause)
 
     def duplicate_records(self, cause: str | None = None) -> list[DuplicateRecord]:
         """The recorded duplicates (of ``cause``)."""
@@ -207,7 +222,7 @@ class DedupMiddleware:
         self.owner = owner or f"consumer-{uuid.uuid4().hex}"
         self.busy_delay_level = busy_delay_level
         lock_client = client if client is not None else getattr(dedup.hot, "client", None)
-        self.stats = DedupStats()
+        self.stats = DedupStats(group=dedup.config.group)
         self.claimer = GroupClaimer(dedup, self.owner, field=self.field)
         self.committer = GroupCommitter(
             dedup,

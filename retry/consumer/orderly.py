@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from idem import metrics
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.listener import BatchResult
 from idem.retry.consumer.process_queue import ProcessQueue
@@ -238,6 +239,7 @@ class OrderlyService:
                     self.rt.commit_offset(mq, pq, offset, increase_only=False)
                 return True
         self.rt.stats.add(consume_failed=len(messages))
+        metrics.count("failed", self.rt.group, sum(f.counts for f in result.failed.values()))
         suspend_ms = (
             result.suspend_ms
             if result.suspend_ms >= 0

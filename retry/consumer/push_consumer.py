@@ -49,6 +49,7 @@ from idem.retry.consumer.listener import (
     invoke_concurrently,
     invoke_orderly,
 )
+from idem.retry.consumer.middleware import DedupMiddleware
 from idem.retry.consumer.offset_store import (
     LocalFileOffsetStore,
     OffsetStore,
@@ -570,6 +571,9 @@ class PushConsumer:
             raise ConfigError("start: register a message listener first")
         s = self.settings
         clustering = not self.broadcasting
+        # with a dedup layer, it counts what it completed; else every success is applied
+        dedup = any(isinstance(m, DedupMiddleware) for m in self._middleware)
+        self.stats.count_as(self.group, applied=not dedup)
         now = self.clock.now_ms()
         self._consume_timestamp_ms = s.consume_timestamp_ms or now - HALF_HOUR_MS
         if clustering and not self.orderly:

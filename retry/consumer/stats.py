@@ -5,6 +5,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, fields
 
+from idem import metrics
+
+_METRICS = {"pulled": "messages"}
+"""The counters that are also idem's metrics (``idem_<name>_total``), and their names there
+(``failed`` is counted where the listener's own rejections are told from busy keys)."""
+
 
 @dataclass
 class ConsumerStats:
@@ -29,12 +35,29 @@ class ConsumerStats:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._group: str | None = None
+        self._metrics = dict(_METRICS)
+
+    def count_as(self, group: str, *, applied: bool) -> None:
+        """Also add to the process's metrics of ``group`` from now on (see :mod:`idem.metrics`).
+
+        ``applied``: messages consumed successfully count as applied (a consumer without
+        a dedup layer; with one, the layer counts what it completed).
+        """
+        self._metrics = {**_METRICS, **({"consumed_ok": "applied"} if applied else {})}
+        self._group = group
 
     def add(self, **counts: int) -> None:
         """Add to some counters at once."""
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+        group = self._group
+        if group is not None:
+            for name, value in counts.items():
+                metric = self._metrics.get(name)
+                if metric is not None and value > 0:
+                    metrics.count(metric, group, value)
 
     def snapshot(self) -> dict[str, int]:
         """A consistent copy of every counter."""

@@ -43,6 +43,7 @@ CORE_COMMANDS = {
     "dlq show",
     "dlq replay",
     "dlq discard",
+    "stats",
 }
 SPARK_COMMANDS = {"run", "demo"}
 
@@ -119,6 +120,11 @@ def test_every_core_data_command_prints_one_json_document(
     assert run(["retry", "stats"])["redis"]["live"] == 3
     assert run(["retry", "compact"])["live"] == 3
     assert run(["retry", "rebuild"])["scheduled"] == 3
+    snapshot = run(["stats"])
+    assert snapshot["group"] == "orders"
+    assert snapshot["retry"]["scheduled_by_level"] == {"18": 3}
+    assert snapshot["dlq"]["by_status"] == {"DEAD": 3}
+    assert (snapshot["index"]["held_keys"], snapshot["index"]["buckets_behind"]) == (len(KEYS), 0)
 
     acl = _json(capsys, ["acl", "user", "--group", "orders", "--topic", "orders"])
     done.add("acl user")

@@ -168,10 +168,19 @@ def test_schedule_names_its_redis_without_a_query_password(tmp_path: Path) -> No
     with RedisServer() as server:
         server.client().config_set("requirepass", "s3cret")
         url = f"redis://127.0.0.1:{server.port}/0?password=s3cret"
-        _, err = _schedule(
-            ["--group", "g", "--redis-url", url, "--data-dir", str(tmp_path)], wait_s=2
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IDEM_")}
+        argv = ["--group", "g", "--redis-url", url, "--data-dir", str(tmp_path)]
+        service = subprocess.Popen(
+            [sys.executable, "-m", "idem.cli", "schedule", *argv],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
-    first = err.splitlines()[0]
+        assert service.stderr is not None
+        first = service.stderr.readline()  # printed once it serves, however long start-up takes
+        service.send_signal(signal.SIGTERM)
+        err = first + service.communicate(timeout=30)[1]
     assert first.startswith(
         f"idem schedule: group g, redis://127.0.0.1:{server.port}/0?password=***"
     )

@@ -835,3 +835,32 @@ def test_the_spark_log_reader_reads_like_the_local_one(spark: Any, tmp_path: Pat
     keys = [hadoop.read_parquet(a.path, ["key"]).column("key").to_pylist() for a in entry.added]
     assert sorted(k for part in keys for k in part) == ["A", "B"]
     assert sorted(hadoop.list_log()) == sorted(local.list_log())
+
+
+def test_a_spark_ledger_commits_rows_that_stay_a_dataframe(
+    spark: Any, spark_ledger: Callable[..., Any], clock: ManualClock
+) -> None:
+    """The executors' commit: the rows are a DataFrame of the caller's session, written by
+    the MERGE of the ledger's own write session, once per txn, naming slipped keys."""
+    ledger = spark_ledger()
+    commit(ledger, ["A"], clock, app="other")
+
+    def frame(keys: list[str]) -> Any:
+        rows = rows_for(keys, clock).append_column("amount", pa.array(range(len(keys))))
+        return spark.createDataFrame(rows)  # a sink table's ledger rows carry the user's columns
+
+    since = clock.now_ms() - 60_000
+    first = ledger.commit_frame(
+        frame(["A", "B", "C"]), offered=3, app_id="app", txn_version=0, match_since_ms=since
+    )
+    again = ledger.commit_frame(
+        frame(["A", "B", "C"]), offered=3, app_id="app", txn_version=0, match_since_ms=since
+    )
+
+    assert (first.version, first.inserted, first.already_present) == (1, 2, ["A"])
+    assert again.replayed
+    assert again.version is None
+    assert ledger_keys(ledger) == ["A", "B", "C"]
+    assert ledger.version() == 1
+    amounts = spark.read.format("delta").load(ledger.path).where("amount IS NOT NULL")
+    assert sorted(r["amount"] for r in amounts.collect()) == [1, 2]  # B and C's

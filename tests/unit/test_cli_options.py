@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -17,6 +19,17 @@ pytestmark = pytest.mark.unit
 def _no_idem_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("IDEM_")]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _root_level_restored() -> Iterator[None]:
+    """``-v`` sets the process's root logger to DEBUG, as it should for a command; the
+    tests after these run in the same process and must not log at DEBUG (redis-py's
+    debug line on a failed call reads connection details a fake client lacks)."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
 
 
 def _leaves(command: click.Command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

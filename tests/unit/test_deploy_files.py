@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -622,6 +623,47 @@ def test_schedule_deployment_command_is_accepted_by_the_idem_cli() -> None:
         parse_args(command[1:])
     except click.UsageError as exc:
         pytest.fail(f"idem refuses the Deployment's command {command}: {exc.format_message()}")
+
+
+def _exposed_metric_names() -> set[str]:
+    from idem.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREFIX
+
+    names = {f"{PREFIX}{name}_total" for name in COUNTERS}
+    names |= {f"{PREFIX}{name}" for name in GAUGES}
+    parts = ("bucket", "sum", "count")
+    names |= {f"{PREFIX}{name}_{part}" for name in HISTOGRAMS for part in parts}
+    return names
+
+
+@pytest.mark.unit
+def test_grafana_dashboard_charts_only_metrics_idem_exposes_and_every_one_of_them() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "idem-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    charted = {name for expr in exprs for name in re.findall(r"\bidem_[a-z_]+", expr)}
+    exposed = _exposed_metric_names()
+    assert charted - exposed == set()
+    # each family is on some panel (a histogram through its buckets)
+    assert {n for n in exposed if not n.endswith(("_sum", "_count"))} - charted == set()
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.unit
+def test_schedule_deployment_probes_and_scrapes_the_port_idem_schedule_serves() -> None:
+    from idem.cli import parse_args
+
+    deployment = _k8s("Deployment", "idem-schedule-orders")
+    template = deployment["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    args = parse_args(container["command"][1:])
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"]
+    assert args.metrics_port == port
+    assert args.metrics_host == "0.0.0.0"  # noqa: S104 -- reachable by the kubelet and Prometheus
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    assert annotations["prometheus.io/path"] == "/metrics"
 
 
 @pytest.mark.unit

@@ -130,7 +130,9 @@ def test_the_other_commands_work_without_pyspark() -> None:
     done = _without_pyspark(
         """
         from idem.cli import main
-        for argv in (["--help"], ["schedule", "--help"], ["index", "status", "--help"]):
+        for argv in (
+            ["--help"], ["schedule", "--help"], ["index", "status", "--help"], ["stats", "--help"]
+        ):
             assert main(argv) == 0, argv
         """
     )
@@ -165,3 +167,38 @@ def test_install_commands_name_the_distribution_not_the_import_name() -> None:
     if found.returncode > 1:  # not a git checkout: nothing to compare against
         pytest.skip(f"git grep failed: {found.stderr.strip()}")
     assert found.stdout == "", f"use '{DISTRIBUTION}[extra]':\n{found.stdout}"
+
+
+def test_without_prometheus_client_the_core_counts_and_the_metrics_port_names_the_extra(
+    tmp_path: Path,
+) -> None:
+    """Counting is the core's; only exposing needs the ``metrics`` extra."""
+    no_prometheus = WITHOUT_PYSPARK.replace('"pyspark"', '"prometheus_client"').replace(
+        '"pyspark."', '"prometheus_client."'
+    )
+    code = f"""
+        from idem import metrics
+        from idem.cli import main
+        import idem.retry.consumer
+        metrics.count("messages", "g", 3)
+        assert "prometheus_client" not in sys.modules
+        try:
+            metrics.serve(0)
+        except ModuleNotFoundError as exc:
+            print(exc)
+        sys.exit(main(["schedule", "--group", "g", "--redis-url", "redis://127.0.0.1:1/0",
+                       "--data-dir", {str(tmp_path)!r}, "--metrics-port", "0"]))
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", no_prometheus + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    hint = f"pip install '{DISTRIBUTION}[metrics]'"
+    assert hint in done.stdout, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert f"idem: error: --metrics-port: exposing metrics needs prometheus-client: {hint}" in (
+        done.stderr
+    )
