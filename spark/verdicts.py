@@ -358,14 +358,22 @@ def bucket_sql(key: str, buckets: int) -> str:
 
 def verdict_frame(prepared: DataFrame, task: ClaimTask) -> DataFrame:
     """``prepared`` (with :data:`HASH_COLUMN` when fingerprints are on) claimed by
-    ``task`` on the executors: its rows, a bucket's all in one task, with the
-    :data:`VERDICT_FIELDS` appended (lazy: nothing runs until it is read)."""
+    ``task`` on the executors: its rows, a bucket's all in one task, with
+    :data:`ORDER_COLUMN`, :data:`BUCKET_COLUMN` and the :data:`VERDICT_FIELDS`
+    appended (lazy: nothing runs until it is read)."""
     from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
-    from pyspark.sql import types as st  # noqa: PLC0415
 
     numbered = prepared.withColumn(ORDER_COLUMN, F.monotonically_increasing_id()).withColumn(
         BUCKET_COLUMN, F.expr(bucket_sql(task.key, task.config.buckets))
     )
+    return claim_frame(numbered, task)
+
+
+def claim_frame(numbered: DataFrame, task: ClaimTask) -> DataFrame:
+    """Rows that carry :data:`ORDER_COLUMN` and :data:`BUCKET_COLUMN` already, claimed
+    by ``task`` (:func:`verdict_frame`'s second half: rows claimed again reuse it)."""
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
     schema = st.StructType(
         [
             *numbered.schema.fields,

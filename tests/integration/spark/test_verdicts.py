@@ -21,6 +21,7 @@ from idem.dedup import Dedup
 from idem.hotstore_types import KeyStatus
 from idem.keys import bucket_of, group_by_bucket
 from idem.redis_server import RedisServer
+from idem.spark.claimed import claim_batch
 from idem.spark.decorator import fingerprint_sql
 from idem.spark.ids import spark_hex
 from idem.spark.index_task import IndexTask, index_committed
@@ -210,3 +211,36 @@ def test_a_copy_with_another_payload_is_not_a_silent_in_batch_duplicate(
         assert by_amount == Counter(
             {(2, Verdict.FRESH): 1, (1, Verdict.CONFLICTING): 2, (5, Verdict.FRESH): 1}
         )
+
+
+def test_a_bucket_that_lost_its_index_while_claiming_is_caught_up_from_the_ledger(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The driver's claim: a bucket whose Redis index vanished after the driver's
+    catch-up is found stale by the executors, caught up from the ledger and claimed
+    again; a key the ledger holds comes out completed."""
+    config = config_for(tmp_path, redis_server.url, "lost", buckets=4)
+    dedup = Dedup(config)
+    earlier = dedup.begin(["A"], owner="earlier:0")
+    dedup.complete(earlier, batch_id=0)  # A is in the ledger (version 0) and in Redis
+    first = claim_batch(_prepared(spark, [("A", 1), ("B", 1)], 2), dedup,
+                        owner="q:1", key="order_id", hold=True)  # fmt: skip
+    assert _verdict_of(first.frame) == {"A": Verdict.COMPLETED, "B": Verdict.FRESH}
+    assert first.rounds == 1
+    first.release()
+
+    lost = bucket_of("A", 4)  # Redis loses that bucket: its watermark and completed keys
+    client = redis_server.client()
+    for name in client.scan_iter(match=f"idem:{{lost:{lost}}}*"):
+        client.delete(name)
+    again = claim_batch(_prepared(spark, [("A", 1), ("C", 1)], 2), dedup,
+                        owner="q:2", key="order_id", hold=True)  # fmt: skip
+
+    assert _verdict_of(again.frame) == {"A": Verdict.COMPLETED, "C": Verdict.FRESH}
+    assert again.rounds == 2
+    assert again.counts == {Verdict.COMPLETED: 1, Verdict.FRESH: 1}
+    assert again.claimed == 1
+
+
+def _verdict_of(frame: DataFrame) -> dict[str, Verdict]:
+    return {r["order_id"]: Verdict(r[VERDICT_COLUMN]) for r in frame.collect()}
