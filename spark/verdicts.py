@@ -7,7 +7,8 @@ task (:class:`ClaimTask`, called by ``mapInArrow``) then, on Arrow columns:
 1. validates the keys (null, empty, too long, not text: ``INVALID``; rows whose
    values could not be read: ``MALFORMED``; neither is claimed);
 2. keeps the first row of every key in precedence order (the row furthest along
-   its retry chain, then the earliest): the others are ``IN_BATCH`` duplicates;
+   its retry chain, then the earliest): the others are ``IN_BATCH`` duplicates, or
+   ``CONFLICTING`` when their payload differs from the first row's;
 3. claims the first rows' keys in Redis, one ``claim.lua`` call per bucket and
    at most 1000 keys, under the batch's owner token (query id and batch id) at
    the instant the driver chose, so a retried or speculative attempt of the task
@@ -87,10 +88,16 @@ class Verdict(IntEnum):
     """The row's values could not be read; never claimed."""
     STALE = 9
     """The bucket's Redis index is behind the ledger: not examined, claim again."""
+    CONFLICTING = 10
+    """An earlier row of the batch has the key with another payload (the mismatch policy
+    decides, as for a key completed with another payload)."""
 
 
 CLAIMED = (Verdict.FRESH, Verdict.RETAKEN, Verdict.RECLAIMED)
 """The verdicts of the rows the sink gets."""
+
+CONFLICT_DETAIL = "another row of the batch has this key with another payload"
+"""The detail of a :data:`Verdict.CONFLICTING` row."""
 
 _FROM_CODE = np.full(256, 255, dtype=np.uint8)
 for _code, _verdict in (
@@ -174,7 +181,11 @@ class ClaimTask:
         prints = None
         if self.fingerprints:
             prints = spark_hex(table.column(HASH_COLUMN))
-        first = _first_rows(keys)
+        first, first_of = _first_rows(keys)
+        if prints is not None:
+            for i in _conflicting(prints, first_of).tolist():
+                verdicts[i] = Verdict.CONFLICTING
+                details[i] = CONFLICT_DETAIL
         if len(first):
             codes, stored = self._claim(keys, first, table.column(BUCKET_COLUMN))
             claimed = _FROM_CODE[np.frombuffer(codes, dtype=np.uint8)]
@@ -294,14 +305,29 @@ def _valid_keys(
     return keys, invalid
 
 
-def _first_rows(keys: pa.Array) -> np.ndarray:
-    """The (sorted) indices of the first row of every non-null key."""
+def _first_rows(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The (sorted) indices of the first row of every non-null key, and for every row
+    the index of its key's first row (``-1`` for a null key)."""
+    first_of = np.full(len(keys), -1, dtype=np.int64)
     if keys.null_count == len(keys):
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int64), first_of
     rows = pa.table({"k": keys, "i": pa.array(np.arange(len(keys), dtype=np.int64))})
     rows = rows.filter(pc.is_valid(keys))
     firsts = rows.group_by("k", use_threads=False).aggregate([("i", "min")])
-    return np.sort(firsts.column("i_min").to_numpy())
+    joined = rows.join(firsts, "k", use_threads=False)
+    first_of[joined.column("i").to_numpy()] = joined.column("i_min").to_numpy()
+    return np.sort(firsts.column("i_min").to_numpy()), first_of
+
+
+def _conflicting(prints: pa.Array, first_of: np.ndarray) -> np.ndarray:
+    """The rows that are not their key's first row and whose payload fingerprint differs
+    from the first row's: a copy with another payload is never a silent duplicate."""
+    copies = np.flatnonzero((first_of >= 0) & (first_of != np.arange(len(first_of))))
+    if not len(copies):
+        return copies
+    differs = pc.not_equal(prints.take(pa.array(copies)), prints.take(pa.array(first_of[copies])))
+    found: np.ndarray = copies[differs.to_numpy(zero_copy_only=False)]
+    return found
 
 
 def split_by_bucket(keys: list[str], buckets: np.ndarray) -> dict[int, list[str]]:
@@ -332,14 +358,22 @@ def bucket_sql(key: str, buckets: int) -> str:
 
 def verdict_frame(prepared: DataFrame, task: ClaimTask) -> DataFrame:
     """``prepared`` (with :data:`HASH_COLUMN` when fingerprints are on) claimed by
-    ``task`` on the executors: its rows, a bucket's all in one task, with the
-    :data:`VERDICT_FIELDS` appended (lazy: nothing runs until it is read)."""
+    ``task`` on the executors: its rows, a bucket's all in one task, with
+    :data:`ORDER_COLUMN`, :data:`BUCKET_COLUMN` and the :data:`VERDICT_FIELDS`
+    appended (lazy: nothing runs until it is read)."""
     from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
-    from pyspark.sql import types as st  # noqa: PLC0415
 
     numbered = prepared.withColumn(ORDER_COLUMN, F.monotonically_increasing_id()).withColumn(
         BUCKET_COLUMN, F.expr(bucket_sql(task.key, task.config.buckets))
     )
+    return claim_frame(numbered, task)
+
+
+def claim_frame(numbered: DataFrame, task: ClaimTask) -> DataFrame:
+    """Rows that carry :data:`ORDER_COLUMN` and :data:`BUCKET_COLUMN` already, claimed
+    by ``task`` (:func:`verdict_frame`'s second half: rows claimed again reuse it)."""
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
     schema = st.StructType(
         [
             *numbered.schema.fields,

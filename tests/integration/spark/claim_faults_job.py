@@ -50,7 +50,7 @@ def main(url: str, data_dir: str) -> None:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
-    rows = [(f"ORDERID_{n}", copy) for copy in range(COPIES) for n in range(KEYS)]
+    rows = [(f"ORDERID_{n}", 1) for _ in range(COPIES) for n in range(KEYS)]
     batch = spark.createDataFrame(rows, SCHEMA).repartition(6)
     prepared = batch.withColumn(HASH_COLUMN, F.expr(fingerprint_sql(SCHEMA)))
     for name, fault in SCENARIOS.items():

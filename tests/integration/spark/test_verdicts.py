@@ -21,6 +21,7 @@ from idem.dedup import Dedup
 from idem.hotstore_types import KeyStatus
 from idem.keys import bucket_of, group_by_bucket
 from idem.redis_server import RedisServer
+from idem.spark.claimed import claim_batch
 from idem.spark.decorator import fingerprint_sql
 from idem.spark.ids import spark_hex
 from idem.spark.index_task import IndexTask, index_committed
@@ -79,7 +80,7 @@ def test_copies_of_a_key_spread_over_input_partitions_are_claimed_once(
 ) -> None:
     config = config_for(tmp_path, redis_server.url, "spread", buckets=8)
     keys = [f"ORDERID_{n}" for n in range(200)]
-    rows = [(key, copy) for copy in range(4) for key in keys]  # 4 copies, 8 partitions
+    rows = [(key, 7) for _ in range(4) for key in keys]  # 4 copies, 8 partitions
     verdicts = _claim(config, _prepared(spark, rows, 8), "q1:0")
 
     assert len(verdicts) == len(rows)
@@ -187,3 +188,59 @@ def test_the_executors_index_a_committed_version_bucket_by_bucket(
     again = ClaimTask(config, "q2:0", now, version + 1, True, "order_id")
     rows = verdict_frame(_prepared(spark, [(k, 1) for k in keys], 2), again).collect()
     assert {Verdict(r[VERDICT_COLUMN]) for r in rows} == {Verdict.COMPLETED}
+
+
+def test_a_copy_with_another_payload_is_not_a_silent_in_batch_duplicate(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A retried row and a fresh copy of its key with another payload in one batch: the
+    copy is told apart (the mismatch policy decides), never dropped as a duplicate."""
+    config = config_for(tmp_path, redis_server.url, "conflict")
+    rows = [("A", 1), ("A", 1), ("A", 2), ("B", 5)]
+    verdicts = _claim(config, _prepared(spark, rows, 2), "q1:4")
+
+    by_amount = Counter((r["amount"], Verdict(r[VERDICT_COLUMN])) for r in verdicts)
+    claimed_a = by_amount[1, Verdict.FRESH]
+    assert claimed_a + by_amount[2, Verdict.FRESH] == 1  # one row of A claimed
+    if claimed_a:  # the first row in precedence order was one with amount 1
+        assert by_amount == Counter(
+            {(1, Verdict.FRESH): 1, (1, Verdict.IN_BATCH): 1, (2, Verdict.CONFLICTING): 1,
+             (5, Verdict.FRESH): 1}
+        )  # fmt: skip
+    else:
+        assert by_amount == Counter(
+            {(2, Verdict.FRESH): 1, (1, Verdict.CONFLICTING): 2, (5, Verdict.FRESH): 1}
+        )
+
+
+def test_a_bucket_that_lost_its_index_while_claiming_is_caught_up_from_the_ledger(
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The driver's claim: a bucket whose Redis index vanished after the driver's
+    catch-up is found stale by the executors, caught up from the ledger and claimed
+    again; a key the ledger holds comes out completed."""
+    config = config_for(tmp_path, redis_server.url, "lost", buckets=4)
+    dedup = Dedup(config)
+    earlier = dedup.begin(["A"], owner="earlier:0")
+    dedup.complete(earlier, batch_id=0)  # A is in the ledger (version 0) and in Redis
+    first = claim_batch(_prepared(spark, [("A", 1), ("B", 1)], 2), dedup,
+                        owner="q:1", key="order_id", hold=True)  # fmt: skip
+    assert _verdict_of(first.frame) == {"A": Verdict.COMPLETED, "B": Verdict.FRESH}
+    assert first.rounds == 1
+    first.release()
+
+    lost = bucket_of("A", 4)  # Redis loses that bucket: its watermark and completed keys
+    client = redis_server.client()
+    for name in client.scan_iter(match=f"idem:{{lost:{lost}}}*"):
+        client.delete(name)
+    again = claim_batch(_prepared(spark, [("A", 1), ("C", 1)], 2), dedup,
+                        owner="q:2", key="order_id", hold=True)  # fmt: skip
+
+    assert _verdict_of(again.frame) == {"A": Verdict.COMPLETED, "C": Verdict.FRESH}
+    assert again.rounds == 2
+    assert again.counts == {Verdict.COMPLETED: 1, Verdict.FRESH: 1}
+    assert again.claimed == 1
+
+
+def _verdict_of(frame: DataFrame) -> dict[str, Verdict]:
+    return {r["order_id"]: Verdict(r[VERDICT_COLUMN]) for r in frame.collect()}

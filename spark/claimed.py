@@ -1,0 +1,124 @@
+"""The driver's side of a micro-batch's claim: catch up, claim on the executors, count.
+
+:func:`claim_batch` brings the Redis index up to the ledger, has the executors
+claim the batch (:mod:`idem.spark.verdicts`), keeps the verdicts (persisted, so
+the sink reads the same fresh rows however often it reads them) and counts them
+with one aggregation. Rows of a bucket whose index fell behind while the tasks
+ran (``STALE``) are claimed again once that bucket is caught up, a few rounds at
+most. Only counts and bucket numbers come to the driver, never rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from idem.claiming import MAX_INDEX_ROUNDS
+from idem.dedup import Dedup
+from idem.errors import IndexUnsettled
+from idem.spark.faults import TaskFault
+from idem.spark.verdicts import (
+    BUCKET_COLUMN,
+    CLAIMED,
+    DETAIL_COLUMN,
+    FINGERPRINT_TEXT_COLUMN,
+    KEY_COLUMN,
+    VERDICT_COLUMN,
+    ClaimTask,
+    Verdict,
+    claim_frame,
+    verdict_frame,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+
+@dataclass(frozen=True)
+class ClaimedBatch:
+    """A batch's rows with their final verdicts, kept by Spark, and how many of each."""
+
+    frame: DataFrame
+    """Every row of the batch with its verdict (persisted: read it as often as needed)."""
+    counts: Mapping[Verdict, int]
+    version: int
+    """The ledger version every claimed key's bucket had indexed."""
+    owner: str
+    claimed_at_ms: int
+    rounds: int
+    """Claim rounds it took (more than 1: some buckets were caught up in between)."""
+
+    @property
+    def fresh(self) -> DataFrame:
+        """The rows the sink gets (claimed), with every column of the batch."""
+        from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
+
+        return self.frame.where(F.col(VERDICT_COLUMN).isin([int(v) for v in CLAIMED]))
+
+    @property
+    def claimed(self) -> int:
+        """How many rows the sink gets."""
+        return sum(self.counts.get(v, 0) for v in CLAIMED)
+
+    def release(self) -> None:
+        """Let Spark drop the kept verdicts (after the batch)."""
+        self.frame.unpersist()
+
+
+def claim_batch(
+    prepared: DataFrame,
+    dedup: Dedup,
+    *,
+    owner: str,
+    key: str,
+    hold: bool,
+    fingerprints: bool = True,
+    fault: TaskFault | None = None,
+) -> ClaimedBatch:
+    """Claim every row of ``prepared`` for ``owner`` on the executors (see the module).
+
+    Raises :class:`IndexUnsettled` when buckets keep falling behind for
+    :data:`~idem.claiming.MAX_INDEX_ROUNDS` rounds (Redis restarting in a loop).
+    """
+    from pyspark import StorageLevel  # noqa: PLC0415 -- pyspark is loaded by now
+    from pyspark.sql import functions as F  # noqa: N812, PLC0415
+
+    version = dedup.catch_up()
+    now = dedup.clock.now_ms()
+    task = ClaimTask(
+        dedup.config, owner, now, version, hold, key, fingerprints=fingerprints, fault=fault
+    )
+    frame = verdict_frame(prepared, task).persist(StorageLevel.MEMORY_AND_DISK)
+    counts = _counts(frame)
+    rounds = 1
+    stale = F.col(VERDICT_COLUMN) == int(Verdict.STALE)
+    while counts.get(Verdict.STALE):
+        if rounds >= MAX_INDEX_ROUNDS:
+            frame.unpersist()
+            raise IndexUnsettled(
+                f"{counts[Verdict.STALE]} key(s) kept finding their buckets' Redis index "
+                f"behind the ledger ({MAX_INDEX_ROUNDS} catch-ups); is Redis restarting or "
+                "failing over in a loop? Their claims expire with their leases"
+            )
+        buckets = [int(r[0]) for r in frame.where(stale).select(BUCKET_COLUMN).distinct().collect()]
+        version = dedup.catch_up(buckets, recheck=True)
+        again = dataclasses.replace(task, min_version=version)
+        added = [KEY_COLUMN, VERDICT_COLUMN, DETAIL_COLUMN, FINGERPRINT_TEXT_COLUMN]
+        redone = claim_frame(frame.where(stale).drop(*added), again)
+        merged = frame.where(~stale).unionByName(redone).persist(StorageLevel.MEMORY_AND_DISK)
+        counts = _counts(merged)
+        frame.unpersist()
+        frame = merged
+        rounds += 1
+    return ClaimedBatch(frame, counts, version, owner, now, rounds)
+
+
+def _counts(frame: DataFrame) -> dict[Verdict, int]:
+    """How many rows have each verdict (one aggregation; computes and keeps ``frame``)."""
+    found: Counter[Verdict] = Counter()
+    for row in frame.groupBy(VERDICT_COLUMN).count().collect():
+        found[Verdict(row[0])] = int(row[1])
+    return dict(found)
