@@ -2,7 +2,8 @@
 restarted on its checkpoint; every key is in the Delta sink exactly once.
 
 The crash points are idem's own (``IDEM_SPARK_KILL_AT``, :mod:`idem.spark.faults`): after
-the claim, after the commit, and after the batch before Spark's commit log. The driver is
+the claim, after the commit, and after the batch before Spark's commit log, shared
+between the two Delta engines. The driver is
 a separate ``idem run`` process with its own local Spark and Spark's Kafka connector.
 """
 
@@ -28,6 +29,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.spark, pytest.mark.scenarios]
 
 RUN_TIMEOUT_S = 600
 """One ``idem run`` process: a JVM and Spark of its own start each time."""
+
+KILL_POINTS = {
+    "delta-rs": ("after_claim@1", "after_batch@3"),
+    "delta-spark": ("after_commit@2",),
+}
+"""Where each engine's run is killed: the two engines share the three points between
+them (every restart is a JVM and a Spark session started afresh)."""
 
 
 def _idem_run(case: KafkaCase, group: str, *, kill_at: str | None = None) -> tuple[int, str]:
@@ -71,7 +79,7 @@ def test_c10_driver_killed_inside_batches_leaves_every_key_once(case: KafkaCase)
     case.produce(resent_orders(keys, seed=10))
     group = f"c10-{case.topic}"
 
-    for point in ("after_claim@1", "after_commit@2", "after_batch@3"):
+    for point in KILL_POINTS[case.engine]:
         code, out = _idem_run(case, group, kill_at=point)
         assert code == -signal.SIGKILL, out[-3000:]
         assert f"crash point {point.split('@')[0]}" in out
@@ -83,5 +91,6 @@ def test_c10_driver_killed_inside_batches_leaves_every_key_once(case: KafkaCase)
     assert set(counts.values()) == {1}  # nothing twice
     report: dict[str, Any] = json.loads((case.tmp_path / "report.json").read_text())
     assert report["sink"]["exactly_once"] is True
-    assert report["replayed_batches"] >= 2  # Spark did replay the batches the kills cut
+    # Spark did replay the batches the kills cut
+    assert report["replayed_batches"] >= len(KILL_POINTS[case.engine])
     assert report["pending_retries"] == 0
