@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from idem.cli_args import with_ledger_buckets
 from idem.config import IdemConfig
@@ -24,8 +25,9 @@ from idem.retry.dlq import DeadLetter, DeadLetterStatus
 from idem.retry.engine import RetryEngine
 from idem.retry.message import TIMER_QUEUE, MessageExt
 from idem.retry.store import LiveEntry, LiveState
-from idem.spark.dlq import DiscardResult, ReplayResult, Selection, discard, replay
-from idem.spark.stats import StatsStore
+
+if TYPE_CHECKING:  # the Spark layer needs PySpark: imported where the console runs
+    from idem.spark.dlq import DiscardResult, ReplayResult
 
 SEARCH_SCAN_LIMIT = 10_000
 """Live retry messages a search by key reads at most (their bodies are fetched one by one)."""
@@ -100,6 +102,8 @@ class GroupView:
 
     def __init__(self, config: IdemConfig, *, engine: RetryEngine | None = None) -> None:
         self.config = config
+        from idem.spark.stats import StatsStore  # noqa: PLC0415 -- needs PySpark
+
         self.engine = engine if engine is not None else RetryEngine(config)
         self.stats = StatsStore(
             self.engine.client, config.group, marker_ttl_ms=config.dedup_window_ms
@@ -135,10 +139,14 @@ class GroupView:
 
     def replay(self, msg_id: str, *, by: str) -> ReplayResult:
         """Send one dead letter back through the retry path (and so the dedup layer)."""
+        from idem.spark.dlq import Selection, replay  # noqa: PLC0415 -- needs PySpark
+
         return replay(self.engine, Selection(msg_ids=(msg_id,)), by=by)
 
     def discard(self, msg_id: str, *, by: str) -> DiscardResult:
         """Mark one dead letter ``DISCARDED``, recording ``by`` and when."""
+        from idem.spark.dlq import Selection, discard  # noqa: PLC0415 -- needs PySpark
+
         return discard(self.engine, Selection(msg_ids=(msg_id,)), by=by)
 
     # -- retries ---------------------------------------------------------------------------

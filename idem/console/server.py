@@ -27,7 +27,6 @@ from urllib.parse import parse_qs, urlsplit
 from idem.console import pages
 from idem.console.data import GroupView
 from idem.retry.dlq import DeadLetterStatus
-from idem.spark.dlq import describe
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +253,8 @@ class _Handler(BaseHTTPRequestHandler):
                 pages.message("not found", f"no dead letter {query.get('id', '')!r}", ok=False),
             )
             return
+        from idem.spark.dlq import describe  # noqa: PLC0415 -- needs PySpark (like the console)
+
         self._page(HTTPStatus.OK, f"dead letter {found.key}", pages.letter(describe(found), found))
 
     def _confirm(self, query: dict[str, str]) -> None:
