@@ -124,7 +124,7 @@ def consumers() -> Iterator[list[PushConsumer]]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
-    """One local Spark session (local[2], UI off, 2 shuffle partitions, UTC) for the whole run.
+    """One local Spark session (local[2], UI off, 2 shuffle partitions, UTC) per pytest worker.
 
     It takes ~7 s to start, so every Spark test shares it. It carries Delta's Spark
     jars and Spark's Kafka connector from the Maven cache (``tests/jvm_jars.py``), with
@@ -132,7 +132,14 @@ def spark() -> Iterator[SparkSession]:
     in the same process as everything else.
     """
     jars = require_jars("spark", "delta-spark_")
-    session = local_session("idem-tests", fast_start=True, conf=delta_spark_conf(jars))
+    conf = {
+        **delta_spark_conf(jars),
+        # Every Spark test of a pytest worker runs in this one driver: room for all of them,
+        # and the plans of finished queries are not kept by the thousand.
+        "spark.driver.memory": "2g",
+        "spark.sql.ui.retainedExecutions": "50",
+    }
+    session = local_session("idem-tests", fast_start=True, conf=conf)
     yield session
     session.stop()
 

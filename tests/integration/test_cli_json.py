@@ -84,7 +84,10 @@ def _message(msg_id: str, key: str) -> MessageExt:
 
 
 def test_every_core_data_command_prints_one_json_document(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, redis_server: RedisServer
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = IdemConfig(group="orders", redis_url=redis_server.url, data_dir=str(tmp_path))
     redis_server.client().flushall()
@@ -144,6 +147,7 @@ def test_every_core_data_command_prints_one_json_document(
 
     assert done == CORE_COMMANDS
     # without --json the same rows are a table; text in brackets is shown, not styled away
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that no cell wraps
     assert main(["dlq", "ls", *common]) == 0
     table = capsys.readouterr().out
     assert table.count("no price [b]") == 1

@@ -185,6 +185,7 @@ def test_the_executors_index_a_committed_version_bucket_by_bucket(
     assert set(dedup.hot.watermarks().values()) == {version + 1}  # every bucket, touched or not
     states = dedup.hot.lookup(group_by_bucket(keys, 16))
     assert {s.status for s in states.values()} == {KeyStatus.COMPLETED}
+    claimed.unpersist()
     again = ClaimTask(config, "q2:0", now, version + 1, True, "order_id")
     rows = verdict_frame(_prepared(spark, [(k, 1) for k in keys], 2), again).collect()
     assert {Verdict(r[VERDICT_COLUMN]) for r in rows} == {Verdict.COMPLETED}
@@ -240,6 +241,7 @@ def test_a_bucket_that_lost_its_index_while_claiming_is_caught_up_from_the_ledge
     assert again.rounds == 2
     assert again.counts == {Verdict.COMPLETED: 1, Verdict.FRESH: 1}
     assert again.claimed == 1
+    again.release()
 
 
 def _verdict_of(frame: DataFrame) -> dict[str, Verdict]:
