@@ -133,8 +133,10 @@ class HotStore(Protocol):
         *,
         version: int,
         completed_at_ms: int | None = None,
+        buckets: Iterable[int] | None = None,
     ) -> CompleteResult:
-        """Mark keys COMPLETED after ledger ``version`` and advance the watermarks."""
+        """Mark keys COMPLETED after ledger ``version`` and advance the watermarks (of
+        ``buckets`` only, when given: the caller decides those buckets' whole version)."""
         ...
 
     def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:

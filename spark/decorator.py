@@ -29,38 +29,36 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.config import IdemConfig, LedgerEngine, MismatchPolicy
+from idem.config import IdemConfig, LedgerEngine
 from idem.dedup import Dedup
-from idem.errors import ConfigError, PayloadMismatch
+from idem.errors import ConfigError
 from idem.ledger.schema import LEDGER_SCHEMA
 from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
 from idem.retry.engine import RetryEngine
-from idem.spark.batch import BatchRun
-from idem.spark.faults import CrashPlan, CrashPoint, crash_point
-from idem.spark.fit import fit_rows
+from idem.spark.faults import CrashPlan, KillAt, TaskFault
 from idem.spark.ledger_engine import engine_for_session
 from idem.spark.messages import (
     BOOKKEEPING_COLUMNS,
     DEFAULT_TOPIC,
     MESSAGE_COLUMN,
-    MSG_ID_COLUMN,
     RECONSUME_TIMES_COLUMN,
 )
+from idem.spark.micro_batch import BatchSetup, MicroBatch
 from idem.spark.outcome import BatchOutcome
+from idem.spark.row_meta import GIVEN_ID_COLUMN, KEY_HASH_COLUMN
 from idem.spark.rows import RowCodec
-from idem.spark.sink_result import SinkFunction, call_sink, failed_keys, quoted
+from idem.spark.sink_result import SinkFunction, quoted
 from idem.spark.stats import StatsStore
+from idem.spark.verdicts import HASH_COLUMN
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -72,11 +70,8 @@ log = logging.getLogger(__name__)
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
 """Spark's local property carrying the streaming query id (stable across restarts)."""
 
-FINGERPRINT_COLUMN = "_idem_fingerprint"
-"""Column the decorator adds for the toArrow: the payload's 64-bit hash."""
-
-KEY_HASH_COLUMN = "_idem_key_hash"
-"""Column the decorator adds for the toArrow: the key's 64-bit hash (derived message ids)."""
+FINGERPRINT_COLUMN = HASH_COLUMN
+"""Column the decorator adds: the payload's 64-bit hash."""
 
 
 class ExactlyOnce:
@@ -97,6 +92,7 @@ class ExactlyOnce:
         query_id: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
         crash_plan: CrashPlan | None = None,
+        task_fault: TaskFault | None = None,
         leases: bool | None = None,
     ) -> None:
         if not isinstance(key, str) or not key:
@@ -114,6 +110,11 @@ class ExactlyOnce:
         self.query_id = query_id
         self.clock = clock
         self.crash_plan = crash_plan
+        """An in-process failure to stage at a crash point (the demo's replay)."""
+        self.kill_at = KillAt.from_env()
+        """The crash points ``IDEM_SPARK_KILL_AT`` asks for (read once, here)."""
+        self.task_fault = task_fault
+        """A fault to stage in the executors' claim tasks (tests)."""
         self.leases = (fn is not None or sink_table is None) if leases is None else leases
         """Whether claims take leases in Redis. By default only the Delta sink with no
         function of the user's to run takes none: its rows are the ledger commit, which is
@@ -188,12 +189,10 @@ class ExactlyOnce:
 
     def process(self, batch_df: DataFrame, batch_id: int) -> BatchOutcome:
         """Process one micro-batch and return what happened to its rows."""
-        clock = _StepClock()
         query_id = self._query_id(batch_df)
         attempt = self.stats.begin(query_id, batch_id)
         if attempt > 1:
             log.info("batch %d: attempt %d (Spark replays it after a failure)", batch_id, attempt)
-        crash_point(CrashPoint.BEFORE_CLAIM, batch_id, self.crash_plan)
         schema = batch_df.schema  # one round trip to the JVM for names and types
         columns = schema.fieldNames()
         if self.key not in columns:
@@ -217,8 +216,8 @@ class ExactlyOnce:
             )
         payload = st.StructType([f for f in schema.fields if f.name not in BOOKKEEPING_COLUMNS])
         payload_columns = payload.fieldNames()
-        if self.sink_table:
-            self._sink_columns(payload_columns)  # a clash fails the batch before any claim
+        # A clash of a column with the ledger's fails the batch before any claim.
+        sink_columns = tuple(self._sink_columns(payload_columns)) if self.sink_table else ()
         codec = RowCodec(payload)
         # Spark only hashes (xxhash64 on the JVM); the text forms are made in Arrow
         # (ids.py). One SQL projection: one py4j call, however many columns.
@@ -226,7 +225,7 @@ class ExactlyOnce:
         if self.fingerprint:
             added[FINGERPRINT_COLUMN] = fingerprint_sql(payload)
         if self.msg_id is not None:
-            added[MSG_ID_COLUMN] = f"CAST({quoted(self.msg_id)} AS STRING)"
+            added[GIVEN_ID_COLUMN] = f"CAST({quoted(self.msg_id)} AS STRING)"
         elif self.fingerprint:
             # A redelivered copy of a row (same key, same payload) is the same message.
             added[KEY_HASH_COLUMN] = f"xxhash64(CAST({quoted(self.key)} AS STRING))"
@@ -238,26 +237,28 @@ class ExactlyOnce:
                 f"{clash[0]}: the batch has a column of this name, which idem adds to the "
                 "rows for its hashes; rename it (names starting with _idem_ are idem's)"
             )
-        extra = [f"{sql} AS {name}" for name, sql in added.items()]
-        table = (batch_df.selectExpr("*", *extra) if extra else batch_df).toArrow()
-        clock.lap("arrow")
-        run = BatchRun(
-            table=table,
-            batch_id=batch_id,
-            query_id=query_id,
+        prepared = batch_df.selectExpr("*", *(f"{sql} AS {name}" for name, sql in added.items()))
+        setup = BatchSetup(
             key=self.key,
-            payload_columns=payload_columns,
-            codec=codec,
+            fn=self.fn,
+            payload_columns=tuple(payload_columns),
+            sink_columns=sink_columns,
+            sink_table=self.sink_table is not None,
             topic=self.topic,
+            idempotency_column=self.idempotency_column,
+            fingerprints=self.fingerprint,
+            hold=self.leases,
             dedup=self.dedup,
             retry=self.retry,
+            stats=self.stats,
             clock=self.clock,
-            fingerprint_column=FINGERPRINT_COLUMN if self.fingerprint else None,
-            msg_id_column=MSG_ID_COLUMN if self.msg_id is not None else None,
-            key_hash_column=KEY_HASH_COLUMN if KEY_HASH_COLUMN in table.column_names else None,
-            hold_claims=self.leases,
+            codec=codec,
+            observers=tuple(o for o in (self.crash_plan, self.kill_at) if o is not None),
+            task_fault=self.task_fault,
         )
-        outcome = self._run(run, batch_df, clock, replay=attempt > 1)
+        batch = MicroBatch(setup, prepared, batch_id=batch_id, query_id=query_id, attempt=attempt)
+        outcome = batch.run()
+        _log_outcome(outcome)
         self.last_outcome = outcome
         return outcome
 
@@ -266,92 +267,6 @@ class ExactlyOnce:
             return self.query_id
         prop = batch_df.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
         return str(prop) if prop else "static"
-
-    def _run(
-        self, run: BatchRun, batch_df: DataFrame, clock: _StepClock, *, replay: bool
-    ) -> BatchOutcome:
-        if run.size == 0:
-            return run.outcome(clock.laps)
-        claim = run.claim()
-        if claim.retaken and self.fn is not None:
-            # Counted before the function runs, so a crash inside it cannot hide a repeat.
-            # (Without a function the Delta sink's commit is the write: nothing repeats.)
-            self.stats.add("possible_repeats", len(claim.retaken))
-        if replay:
-            run.count_own_commits()
-        clock.lap("claim")
-        crash_point(CrashPoint.AFTER_CLAIM, run.batch_id, self.crash_plan)
-        self._check_mismatches(run)
-        failed = self._call_sink(run, batch_df) if run.fresh else {}
-        clock.lap("sink")
-        crash_point(CrashPoint.AFTER_SINK, run.batch_id, self.crash_plan)
-        payload, misfits = self._sink_payload(run, failed) if self.sink_table else (None, {})
-        run.commit(failed, payload=payload, misfits=misfits)
-        clock.lap("commit")
-        crash_point(CrashPoint.AFTER_COMMIT, run.batch_id, self.crash_plan)
-        run.send_back(failed)
-        clock.lap("send_back")
-        crash_point(CrashPoint.AFTER_SEND_BACK, run.batch_id, self.crash_plan)
-        outcome = run.outcome(clock.laps)
-        # Recorded before the retry rows are acknowledged: a replay after a crash between
-        # the two reads them again (and record adds a batch once), where a replay after
-        # the ack would find them gone, the batch perhaps empty, and count nothing.
-        self.stats.record(outcome)
-        crash_point(CrashPoint.AFTER_RECORD, run.batch_id, self.crash_plan)
-        run.ack_retried()
-        crash_point(CrashPoint.AFTER_ACK, run.batch_id, self.crash_plan)
-        crash_point(CrashPoint.AFTER_BATCH, run.batch_id, self.crash_plan)
-        _log_outcome(outcome)
-        return outcome
-
-    def _check_mismatches(self, run: BatchRun) -> None:
-        if run.claim_result is None or not run.claim_result.mismatched:
-            return
-        if self.config.mismatch_policy is MismatchPolicy.RAISE:
-            index = run.claim_result.mismatched[0]
-            key = run.claim_result.keys[index] or ""
-            run.release_all()
-            raise PayloadMismatch(key, stored="(ledger)", seen=run.fingerprint_of(index))
-
-    # -- the sink ------------------------------------------------------------------------------
-
-    def _call_sink(self, run: BatchRun, batch_df: DataFrame) -> dict[int, str]:
-        """Call the user's function with the fresh rows; return ``{row index: error}``."""
-        if self.fn is None:
-            return {}
-        fresh = run.fresh_table(
-            keep=[RECONSUME_TIMES_COLUMN],
-            idempotency_column=self.idempotency_column,
-            group=self.config.group,
-        )
-        spark = batch_df.sparkSession
-        # The batch's own types and nullability (Arrow alone would turn timestamp_ntz into
-        # timestamp and every column nullable).
-        fresh_df = spark.createDataFrame(fresh, schema=_schema_of(fresh, batch_df.schema))
-        try:
-            result = call_sink(self.fn, fresh_df, run.batch_id)
-        except Exception as exc:  # the user's failure: every fresh row is reconsumed later
-            return self._sink_raised(run, exc)
-        try:
-            failed = failed_keys(result, self.key)
-        except ConfigError:
-            raise  # not a result idem can read: a bug to fix, not rows to retry
-        except Exception as exc:
-            # A lazy result (a DataFrame of failed rows, a generator) runs the user's code
-            # only as it is read here: its failure is the sink's, not the query's.
-            return self._sink_raised(run, exc)
-        return run.failures_from(failed)
-
-    def _sink_raised(self, run: BatchRun, exc: Exception) -> dict[int, str]:
-        """Every fresh row failed with ``exc`` (``{row index: error}``)."""
-        log.warning(
-            "sink %s raised %s: %d fresh row(s) will be reconsumed later",
-            getattr(self.fn, "__name__", self.fn),
-            type(exc).__name__,
-            len(run.fresh),
-            exc_info=True,
-        )
-        return dict.fromkeys(run.fresh, f"{type(exc).__name__}: {exc}")
 
     def _sink_columns(self, payload_columns: Sequence[str]) -> list[str]:
         """The user's columns that go into the sink table next to the ledger's (a key
@@ -366,38 +281,6 @@ class ExactlyOnce:
                 "rename them before the sink"
             )
         return taken
-
-    def _sink_payload(
-        self, run: BatchRun, failed: Mapping[int, str]
-    ) -> tuple[pa.Table | None, dict[int, str]]:
-        """The user's columns of the accepted rows, to be written into the sink table
-        (``None``: the rows have no column but the key, which the ledger holds), fitted
-        to the table's column types; and the rows that do not fit them, with why."""
-        taken = self._sink_columns(run.payload_columns)
-        if not taken:
-            return None, {}
-        succeeded = [i for i in run.fresh if i not in failed] if failed else list(run.fresh)
-        if len(succeeded) == run.size:  # every row, in order
-            payload = run.table.select(taken)
-        else:
-            payload = run.table.select(taken).take(pa.array(succeeded, pa.int64()))
-        fitted, misfits = fit_rows(
-            payload, self.dedup.ledger.column_types(), supplied=LEDGER_SCHEMA.names
-        )
-        return fitted, {succeeded[n]: why for n, why in misfits.items()}
-
-
-class _StepClock:
-    """Seconds per step of a batch, for logs and benchmarks."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name] = self.laps.get(name, 0.0) + now - self._last
-        self._last = now
 
 
 def fingerprint_hash(schema: st.StructType) -> Column:
@@ -428,14 +311,6 @@ def _has_map(kind: st.DataType) -> bool:
     if isinstance(kind, st.StructType):
         return any(_has_map(f.dataType) for f in kind.fields)
     return False
-
-
-def _schema_of(fresh: pa.Table, batch: st.StructType) -> st.StructType:
-    """The Spark schema of the fresh rows: the batch's fields, then added text columns."""
-    known = {f.name: f for f in batch.fields}
-    return st.StructType(
-        [known.get(name) or st.StructField(name, st.StringType()) for name in fresh.column_names]
-    )
 
 
 def _log_outcome(outcome: BatchOutcome) -> None:

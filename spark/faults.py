@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 KILL_AT_ENV = "IDEM_SPARK_KILL_AT"
 
@@ -39,13 +40,16 @@ class CrashPoint(StrEnum):
     """After everything of the batch, before Spark writes its commit log entry."""
 
 
-def _wanted() -> list[tuple[str, int | None]]:
-    spec = os.environ.get(KILL_AT_ENV, "").strip()
-    out: list[tuple[str, int | None]] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        point, _, batch = part.partition("@")
-        out.append((point, int(batch) if batch else None))
-    return out
+class BatchObserver(Protocol):
+    """Something told when a micro-batch reaches each :class:`CrashPoint`.
+
+    Called on the driver, between two steps of a batch, with nothing of the batch
+    held open; it may raise (the batch fails and Spark replays it) or end the
+    process, and must not touch the batch's rows or Redis.
+    """
+
+    def reached(self, point: CrashPoint, batch_id: int) -> None:
+        """Batch ``batch_id`` got to ``point``."""
 
 
 class SimulatedCrash(RuntimeError):
@@ -60,25 +64,38 @@ class CrashPlan:
     batch_id: int
     fired: bool = False
 
-    def check(self, point: CrashPoint, batch_id: int) -> None:
+    def reached(self, point: CrashPoint, batch_id: int) -> None:
         """Raise :class:`SimulatedCrash` the first time ``point`` is reached in ``batch_id``."""
         if not self.fired and point is self.point and batch_id == self.batch_id:
             self.fired = True
             raise SimulatedCrash(f"simulated driver crash at {point.value} of batch {batch_id}")
 
 
-def crash_point(point: CrashPoint, batch_id: int, plan: CrashPlan | None = None) -> None:
-    """SIGKILL this process if ``IDEM_SPARK_KILL_AT`` asks for ``point`` at ``batch_id``.
+@dataclass(frozen=True)
+class KillAt:
+    """SIGKILL this process when a batch reaches one of ``points`` (see the module)."""
 
-    ``plan`` stages an in-process failure instead (see :class:`CrashPlan`).
-    """
-    if plan is not None:
-        plan.check(point, batch_id)
-    for wanted, batch in _wanted():
-        if wanted == point.value and (batch is None or batch == batch_id):
-            print(f"idem: crash point {point.value} at batch {batch_id}: SIGKILL", file=sys.stderr)
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+    points: tuple[tuple[str, int | None], ...]
+
+    @classmethod
+    def from_env(cls) -> KillAt | None:
+        """The plan ``IDEM_SPARK_KILL_AT`` asks for (``None``: the variable is not set)."""
+        spec = os.environ.get(KILL_AT_ENV, "").strip()
+        points: list[tuple[str, int | None]] = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            point, _, batch = part.partition("@")
+            points.append((point, int(batch) if batch else None))
+        return cls(tuple(points)) if points else None
+
+    def reached(self, point: CrashPoint, batch_id: int) -> None:
+        """SIGKILL this process if ``point`` of ``batch_id`` is one of the plan's."""
+        for wanted, batch in self.points:
+            if wanted == point.value and (batch is None or batch == batch_id):
+                print(
+                    f"idem: crash point {point.value} at batch {batch_id}: SIGKILL", file=sys.stderr
+                )
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 class TaskFaultPoint(StrEnum):

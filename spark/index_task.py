@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.hotstore import RedisHotStore
+from idem.hotstore_types import HotStore
 from idem.spark.verdicts import (
     BUCKET_COLUMN,
     FINGERPRINT_TEXT_COLUMN,
@@ -116,7 +117,7 @@ class IndexTask:
 def index_committed(
     committed: DataFrame,
     task: IndexTask,
-    store: RedisHotStore,
+    store: HotStore,
 ) -> IndexedVersion:
     """Index the ``committed`` rows (bucket-partitioned, with :data:`KEY_COLUMN`,
     :data:`BUCKET_COLUMN` and :data:`FINGERPRINT_TEXT_COLUMN`) on the executors, then

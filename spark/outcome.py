@@ -19,7 +19,10 @@ class BatchOutcome:
     """Rows in the batch (main stream and retries)."""
     retried_rows: int = 0
     """Rows that came back from the retry stream (``reconsume_times`` > 0)."""
+    applied: int = 0
+    """Rows the sink accepted and that were committed."""
     applied_keys: tuple[str, ...] = ()
+    """The applied rows' keys: all of them up to 100, else 100 of them."""
     failed_keys: tuple[str, ...] = ()
     busy: int = 0
     invalid: int = 0
@@ -40,11 +43,6 @@ class BatchOutcome:
     commit_replayed: bool = False
     timings: Mapping[str, float] = field(default_factory=dict)
     """Seconds spent per step (``arrow``, ``claim``, ``sink``, ``commit``, ``send_back``)."""
-
-    @property
-    def applied(self) -> int:
-        """Rows the sink accepted and that were committed."""
-        return len(self.applied_keys)
 
     @property
     def failed(self) -> int:

@@ -256,7 +256,10 @@ class SparkDeltaLedger:
         since = match_since_ms
         if since is None and self._dedup_window_ms is not None:
             since = self._clock.now_ms() - self._dedup_window_ms
-        self.version()
+        if self.version() < 0:
+            # ``frame`` belongs to the caller's session, not to the write session that
+            # carries the txn id: the table is created empty first, and the rows MERGEd.
+            self._create(self._spark.createDataFrame([], frame.schema), concurrent_ok=True)
         session = self._write_session(
             {_TXN_APP_ID: app_id, _TXN_VERSION: str(txn_version), _AUTO_MERGE: "true"}
         )
@@ -317,17 +320,22 @@ class SparkDeltaLedger:
             version=ours.version, inserted=inserted, already_present=already, attempts=attempts
         )
 
-    def _create(self, frame: DataFrame) -> None:
-        """The table, created with the first batch in one commit (version 0)."""
+    def _create(self, frame: DataFrame, *, concurrent_ok: bool = False) -> None:
+        """The table, created with the first batch in one commit (version 0);
+        ``concurrent_ok``: a table another writer created first will do."""
         name = "delta.`" + self._path.replace("`", "``") + "`"
-        (
-            frame.writeTo(name)
-            .using("delta")
-            .partitionedBy(*PARTITION_COLUMNS)
-            .tableProperty(ENGINE_PROPERTY, ENGINE)
-            .tableProperty("comment", describe_ledger(ENGINE, self._identity))
-            .create()
-        )
+        try:
+            (
+                frame.writeTo(name)
+                .using("delta")
+                .partitionedBy(*PARTITION_COLUMNS)
+                .tableProperty(ENGINE_PROPERTY, ENGINE)
+                .tableProperty("comment", describe_ledger(ENGINE, self._identity))
+                .create()
+            )
+        except Exception:  # Py4J / Spark errors have no common base
+            if not concurrent_ok or self._log.read() < 0:
+                raise
 
     def _write_session(self, confs: dict[str, str]) -> SparkSession:
         """A clone of the caller's session with ``confs`` set: its own conf, so the txn
