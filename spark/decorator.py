@@ -58,7 +58,7 @@ from idem.spark.row_meta import GIVEN_ID_COLUMN, KEY_HASH_COLUMN
 from idem.spark.rows import RowCodec
 from idem.spark.sink_result import SinkFunction, quoted
 from idem.spark.stats import StatsStore
-from idem.spark.verdicts import HASH_COLUMN
+from idem.spark.verdicts import HASH_COLUMN, safe_names
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -237,7 +237,9 @@ class ExactlyOnce:
                 f"{clash[0]}: the batch has a column of this name, which idem adds to the "
                 "rows for its hashes; rename it (names starting with _idem_ are idem's)"
             )
-        prepared = batch_df.selectExpr("*", *(f"{sql} AS {name}" for name, sql in added.items()))
+        prepared, renamed = safe_names(
+            batch_df.selectExpr("*", *(f"{sql} AS {name}" for name, sql in added.items()))
+        )
         setup = BatchSetup(
             key=self.key,
             fn=self.fn,
@@ -255,6 +257,7 @@ class ExactlyOnce:
             codec=codec,
             observers=tuple(o for o in (self.crash_plan, self.kill_at) if o is not None),
             task_fault=self.task_fault,
+            renamed=renamed,
         )
         batch = MicroBatch(setup, prepared, batch_id=batch_id, query_id=query_id, attempt=attempt)
         outcome = batch.run()

@@ -48,6 +48,8 @@ class LedgerRowsTask:
         topic: The topic of main-stream rows.
         completed_at_ms: The instant the rows are done (chosen by the driver).
         columns: The user's columns that go into a Delta sink table (empty: none).
+        carried: The names those columns have in the rows (see
+            :attr:`idem.spark.micro_batch.BatchSetup.renamed`).
         table_types: The sink table's column types (``None``: no table yet).
         fingerprints: Whether the rows carry payload hashes.
     """
@@ -58,6 +60,7 @@ class LedgerRowsTask:
     topic: str
     completed_at_ms: int
     columns: tuple[str, ...] = ()
+    carried: tuple[str, ...] = ()
     table_types: pa.Schema | None = None
     fingerprints: bool = True
 
@@ -71,7 +74,9 @@ class LedgerRowsTask:
         misfits: dict[int, str] = {}
         if self.columns:
             fitted, misfits = fit_rows(
-                table.select(list(self.columns)), self.table_types, supplied=LEDGER_SCHEMA.names
+                table.select(list(self.carried)).rename_columns(list(self.columns)),
+                self.table_types,
+                supplied=LEDGER_SCHEMA.names,
             )
             if misfits:
                 keep = pa.array([i not in misfits for i in range(table.num_rows)])
@@ -155,5 +160,10 @@ def ledger_schema(
 
 def ledger_frame(accepted: DataFrame, task: LedgerRowsTask) -> DataFrame:
     """The ledger rows of ``accepted`` (lazy), one task per partition of the batch."""
-    schema = ledger_schema(accepted.schema, task.columns, task.table_types)
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
+    carried = dict(zip(task.columns, task.carried, strict=True))
+    by_name = {f.name: f for f in accepted.schema.fields}
+    batch = st.StructType([st.StructField(n, by_name[carried[n]].dataType) for n in task.columns])
+    schema = ledger_schema(batch, task.columns, task.table_types)
     return accepted.mapInArrow(task, schema)

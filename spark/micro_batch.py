@@ -114,6 +114,20 @@ class BatchSetup:
     codec: RowCodec
     observers: tuple[BatchObserver, ...] = ()
     task_fault: TaskFault | None = None
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    """Columns the prepared batch carries under another name, ``{name: carried as}``:
+    PySpark's ``mapInArrow`` cannot take a column whose name holds a backtick or a dot."""
+
+    def carried(self, name: str) -> str:
+        """The name column ``name`` has in the prepared batch."""
+        return self.renamed.get(name, name)
+
+    def restored(self, table: pa.Table) -> pa.Table:
+        """``table`` with the user's own column names."""
+        if not self.renamed:
+            return table
+        back = {v: k for k, v in self.renamed.items()}
+        return table.rename_columns([back.get(n, n) for n in table.column_names])
 
 
 @dataclass
@@ -168,7 +182,7 @@ class MicroBatch:
             self.prepared,
             s.dedup,
             owner=self.owner,
-            key=s.key,
+            key=s.carried(s.key),
             hold=s.hold,
             fingerprints=s.fingerprints,
             fault=s.task_fault,
@@ -319,7 +333,9 @@ class MicroBatch:
         if s.fn is None:
             return {}
         fresh = claimed.fresh
-        columns: list[Column] = [F.col(quoted(name)) for name in s.payload_columns]
+        columns: list[Column] = [
+            F.col(quoted(s.carried(name))).alias(name) for name in s.payload_columns
+        ]
         if RECONSUME_TIMES_COLUMN in fresh.columns:
             columns.append(
                 F.coalesce(F.col(RECONSUME_TIMES_COLUMN), F.lit(0)).alias(RECONSUME_TIMES_COLUMN)
@@ -379,8 +395,9 @@ class MicroBatch:
             condition = condition | (claimed_row & F.col(KEY_COLUMN).isin(list(failures)))
         wanted = sum(claimed.counts.get(v, 0) for v in out)
         if not wanted and not failures:
-            return claimed.frame.limit(0).toArrow()
-        return claimed.frame.where(condition).orderBy(ORDER_COLUMN).toArrow()
+            return self.setup.restored(claimed.frame.limit(0).toArrow())
+        rows = claimed.frame.where(condition).orderBy(ORDER_COLUMN).toArrow()
+        return self.setup.restored(rows)
 
     def _failed_rows(self, leaving: pa.Table, failures: Failures) -> dict[int, str]:
         """The claimed rows the sink rejected: ``{position in leaving: key}``."""
@@ -406,7 +423,9 @@ class MicroBatch:
     ) -> pa.Table:
         from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
-        rows = claimed.fresh.where(F.col(KEY_COLUMN).isin(list(misfits))).toArrow()
+        rows = self.setup.restored(
+            claimed.fresh.where(F.col(KEY_COLUMN).isin(list(misfits))).toArrow()
+        )
         return pa.concat_tables([leaving, rows.cast(leaving.schema)]) if leaving.num_rows else rows
 
     def _send_back(
@@ -509,6 +528,7 @@ class MicroBatch:
             topic=s.topic,
             completed_at_ms=now,
             columns=s.sink_columns,
+            carried=tuple(s.carried(name) for name in s.sink_columns),
             table_types=ledger.column_types() if s.sink_columns else None,
             fingerprints=s.fingerprints,
         )

@@ -356,6 +356,15 @@ def bucket_sql(key: str, buckets: int) -> str:
     return f"CAST(pmod(crc32(CAST(CAST({column} AS STRING) AS BINARY)), {buckets}) AS INT)"
 
 
+def safe_names(frame: DataFrame) -> tuple[DataFrame, dict[str, str]]:
+    """``frame`` with every column whose name PySpark's ``mapInArrow`` cannot take (a
+    backtick or a dot in it) renamed, and ``{name: new name}``."""
+    renamed = {
+        name: f"_idem_c{n}" for n, name in enumerate(frame.columns) if "`" in name or "." in name
+    }
+    return (frame.withColumnsRenamed(renamed) if renamed else frame), renamed
+
+
 def verdict_frame(prepared: DataFrame, task: ClaimTask) -> DataFrame:
     """``prepared`` (with :data:`HASH_COLUMN` when fingerprints are on) claimed by
     ``task`` on the executors: its rows, a bucket's all in one task, with
