@@ -8,17 +8,19 @@
 
     stream.writeStream.foreachBatch(write).start()
 
-Per micro-batch, on the driver: the batch comes over as Arrow;
-bad keys, and rows whose values could not be read (``_idem_malformed``: a
-retry body that no longer fits the schema, a source line that is not JSON),
-go to ``%DLQ%<group>`` with their reason; in-batch duplicates keep
-the first row; the keys are claimed in Redis under an owner token made of the
-query id and the batch id (a Spark replay of the batch re-takes its own
-claims); the function gets the fresh rows as a Spark DataFrame; the rows it
-accepted are committed (ledger, then Redis); the rows it rejected — returned
-keys, a DataFrame of rows, a ``{key: error}`` mapping, or every fresh row when
-it raised — are released and sent back on RocketMQ's delay ladder, and after
-``max_reconsume_times`` they are dead-lettered.
+Per micro-batch the rows stay on the executors (:mod:`idem.spark.micro_batch`):
+the batch is repartitioned by Redis bucket and each task checks its keys, keeps
+the first row of each key, claims the keys in Redis under an owner token made of
+the query id and the batch id (a Spark replay of the batch, a retried or a
+speculative task re-takes its own claims) and tags every row with its verdict,
+kept by Spark. Bad keys, and rows whose values could not be read
+(``_idem_malformed``: a retry body that no longer fits the schema, a source line
+that is not JSON), go to ``%DLQ%<group>`` with their reason. The function gets
+the claimed rows as a DataFrame; the rows it accepted are committed (ledger, then
+Redis); the rows it rejected — returned keys, a DataFrame of rows, a
+``{key: error}`` mapping, or every claimed row when it raised — are released and
+sent back on RocketMQ's delay ladder, and after ``max_reconsume_times`` they are
+dead-lettered. Only those rows, and counts, come to the driver.
 
 With ``sink_table=PATH`` the Delta table at PATH is the group's ledger and
 the accepted rows are written into it in the same commit as the record that

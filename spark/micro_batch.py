@@ -51,8 +51,10 @@ from idem.spark.rows import RowCodec
 from idem.spark.send_back import (
     BROKER_CHOOSES_LEVEL,
     DEAD_LETTER_LEVEL,
+    BodyTask,
     SendBack,
     SendBackTally,
+    with_bodies,
 )
 from idem.spark.sink_result import SinkFunction, call_sink, failed_keys, quoted
 from idem.spark.stats import StatsStore
@@ -396,8 +398,12 @@ class MicroBatch:
         wanted = sum(claimed.counts.get(v, 0) for v in out)
         if not wanted and not failures:
             return self.setup.restored(claimed.frame.limit(0).toArrow())
-        rows = claimed.frame.where(condition).orderBy(ORDER_COLUMN).toArrow()
-        return self.setup.restored(rows)
+        rows = with_bodies(claimed.frame.where(condition), self._bodies())
+        return self.setup.restored(rows.orderBy(ORDER_COLUMN).toArrow())
+
+    def _bodies(self) -> BodyTask:
+        s = self.setup
+        return BodyTask(s.codec.schema_json, dict(s.renamed))
 
     def _failed_rows(self, leaving: pa.Table, failures: Failures) -> dict[int, str]:
         """The claimed rows the sink rejected: ``{position in leaving: key}``."""
@@ -423,9 +429,8 @@ class MicroBatch:
     ) -> pa.Table:
         from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
-        rows = self.setup.restored(
-            claimed.fresh.where(F.col(KEY_COLUMN).isin(list(misfits))).toArrow()
-        )
+        misfit = claimed.fresh.where(F.col(KEY_COLUMN).isin(list(misfits)))
+        rows = self.setup.restored(with_bodies(misfit, self._bodies()).toArrow())
         return pa.concat_tables([leaving, rows.cast(leaving.schema)]) if leaving.num_rows else rows
 
     def _send_back(

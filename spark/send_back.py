@@ -2,8 +2,10 @@
 
 The driver gathers only these rows (the sink's failures, bad keys, unreadable
 rows, busy keys, payload mismatches dead-lettered by policy, rows that do not
-fit the sink table), never the batch. Each becomes the RocketMQ message it was,
-or a new one whose body is the row's JSON with its schema, and goes back:
+fit the sink table), never the batch, with their bodies already made by the
+executors (:class:`BodyTask`: the row's JSON, read back with the schema the
+message carries; never pickle). Each becomes the RocketMQ message it was, or a
+new one with that body, and goes back:
 failures on the delay ladder, busy keys after a short delay with their reconsume
 times unchanged, bad rows to ``%DLQ%<group>`` at once with their reason.
 """
@@ -11,8 +13,9 @@ times unchanged, bad rows to ``%DLQ%<group>`` at once with their reason.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -23,6 +26,12 @@ from idem.retry.sendback import BUSY_DELAY_LEVEL
 from idem.spark.messages import message_for_row
 from idem.spark.row_meta import RowMeta
 from idem.spark.rows import RowCodec, python_values
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+BODY_COLUMN = "_idem_body"
+"""The message body of a row that leaves its batch (its JSON), made on an executor."""
 
 DEAD_LETTER_LEVEL = -1
 """``delay_level_when_next_consume`` that routes a message straight to ``%DLQ%<group>``."""
@@ -82,7 +91,10 @@ class SendBack:
         if not reasons:
             return
         positions = sorted(reasons)
-        bodies = self.codec.encode_table(rows, positions)
+        if BODY_COLUMN in rows.column_names:
+            bodies = rows.column(BODY_COLUMN).take(pa.array(positions)).to_pylist()
+        else:
+            bodies = self.codec.encode_table(rows, positions)
         raw_keys = python_values(
             rows.column(self.key_field).take(pa.array(positions)), "surrogateescape"
         )
@@ -127,6 +139,39 @@ class SendBack:
                 f"send-back of {len(result.resubmit)} row(s) of batch {self.batch_id} could "
                 "not be stored (Redis and Delta unavailable); the batch will be replayed"
             )
+
+
+@dataclass(frozen=True)
+class BodyTask:
+    """Appends :data:`BODY_COLUMN` to a task's rows; ``mapInArrow`` calls it on an executor.
+
+    Args:
+        schema_json: The user's columns' Spark schema, in Spark's JSON form.
+        renamed: Columns the rows carry under another name, ``{name: carried as}``.
+    """
+
+    schema_json: str
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """The rows with their bodies (called once per task)."""
+        codec = RowCodec.from_schema_json(self.schema_json)
+        back = {v: k for k, v in self.renamed.items()}
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            table = pa.Table.from_batches([batch])
+            named = table.rename_columns([back.get(n, n) for n in table.column_names])
+            bodies = pa.array(codec.encode_table(named), pa.binary())
+            yield from table.append_column(BODY_COLUMN, bodies).to_batches()
+
+
+def with_bodies(rows: DataFrame, task: BodyTask) -> DataFrame:
+    """``rows`` with :data:`BODY_COLUMN` made on the executors (lazy)."""
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
+    schema = st.StructType([*rows.schema.fields, st.StructField(BODY_COLUMN, st.BinaryType())])
+    return rows.mapInArrow(task, schema)
 
 
 def _raw_key(value: object) -> str | None:

@@ -4,7 +4,9 @@ Run by ``test_claim_faults.py`` as ``python claim_faults_job.py REDIS_URL DATA_D
 starts ``local-cluster[2,1,1024]`` (two executors, each its own JVM and Python
 workers; tasks are retried there, unlike in ``local[N]``), claims one batch per
 scenario with a fault staged in the first attempt of every task, and prints one
-JSON line per scenario: the verdicts of every row.
+JSON line per scenario: the verdicts of every row. Then the same faults under
+``@exactly_once`` and ``delta_sink`` (delta-rs): one JSON line each, with how many
+times the sink got each key and how many sink table rows each key has.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import sys
 from collections import Counter
 from typing import Any
 
-from pyspark.sql import SparkSession
+import pyarrow as pa
+from deltalake import DeltaTable, QueryBuilder
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 from pyspark.sql import types as st
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
-from idem.spark.decorator import fingerprint_sql
+from idem.spark.decorator import ExactlyOnce, fingerprint_sql
+from idem.spark.delta_sink import delta_sink
 from idem.spark.faults import TaskFault, TaskFaultAction, TaskFaultPoint
 from idem.spark.verdicts import HASH_COLUMN, VERDICT_COLUMN, ClaimTask, Verdict, verdict_frame
 
@@ -78,7 +83,40 @@ def main(url: str, data_dir: str) -> None:
             "verdicts": dict(sum(per_key.values(), Counter())),
         }
         print(json.dumps(report), flush=True)
+    for name, fault in SCENARIOS.items():
+        print(json.dumps(through_the_sinks(batch, name, fault, url, data_dir)), flush=True)
     spark.stop()
+
+
+def through_the_sinks(batch: DataFrame, name: str, fault: TaskFault, url: str, data: str) -> Any:
+    """One batch through a function sink and through a Delta sink, ``fault`` staged in the
+    first attempt of every claim task: what each sink got, per key."""
+    group = f"sinks-{name.replace('_', '-')}"
+    config = IdemConfig(group=group, redis_url=url, data_dir=data, buckets=8, engine="delta-rs")
+    given: Counter[str] = Counter()
+
+    def record(fresh: DataFrame, batch_id: int) -> None:
+        given.update(row["order_id"] for row in fresh.select("order_id").collect())
+
+    function_sink = ExactlyOnce(record, config=config, key="order_id", query_id="q",
+                                task_fault=fault)  # fmt: skip
+    applied = function_sink.process(batch, 0).applied
+    table = f"{data}/{group}-table"
+    table_sink = delta_sink(table, key="order_id", config=config.with_changes(group=f"{group}-t"))
+    table_sink.query_id = "q"
+    table_sink.task_fault = fault
+    table_applied = table_sink.process(batch, 0).applied
+    query = QueryBuilder().register("t", DeltaTable(table)).execute("SELECT key FROM t")
+    keys = pa.table(query.read_all()).column(0)
+    return {
+        "scenario": f"sinks_{name}",
+        "function_sink_per_key": sorted(set(given.values())),
+        "function_sink_keys": len(given),
+        "function_applied": applied,
+        "table_rows_per_key": sorted(set(Counter(keys.to_pylist()).values())),
+        "table_keys": len(set(keys.to_pylist())),
+        "table_applied": table_applied,
+    }
 
 
 if __name__ == "__main__":

@@ -38,11 +38,20 @@ def test_every_key_is_claimed_once_through_a_task_failure_and_a_killed_worker(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = {r["scenario"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert set(reports) == {"task_fails_after_claiming", "worker_killed_mid_claim"}
-    for name, report in reports.items():
+    claims = {"task_fails_after_claiming", "worker_killed_mid_claim"}
+    assert set(reports) == claims | {f"sinks_{name}" for name in claims}
+    for name in claims:
+        report = reports[name]
         assert report["rows"] == 1200, name  # 400 keys x 3 copies, each row once
         assert report["keys"] == 400, name
         assert report["claimed_per_key"] == [1], (name, report["verdicts"])
         assert report["verdicts"].get("IN_BATCH") == 800, (name, report["verdicts"])
     # Every retried attempt found the first attempt's claims as its own.
     assert reports["task_fails_after_claiming"]["verdicts"] == {"RETAKEN": 400, "IN_BATCH": 800}
+    # The same faults under the sinks: every key reaches each sink exactly once.
+    for name in claims:
+        sinks = reports[f"sinks_{name}"]
+        assert sinks["function_sink_per_key"] == [1], (name, sinks)
+        assert sinks["function_sink_keys"] == sinks["function_applied"] == 400, (name, sinks)
+        assert sinks["table_rows_per_key"] == [1], (name, sinks)
+        assert sinks["table_keys"] == sinks["table_applied"] == 400, (name, sinks)

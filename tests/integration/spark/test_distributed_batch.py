@@ -1,0 +1,111 @@
+"""A micro-batch spread over many partitions: its rows stay on the executors.
+
+Real local Spark, a real redis-server and real Delta tables, on both ledger
+engines: copies of a key in different input partitions reach the sink once, the
+sink's DataFrame is the same however often it reads it, and copies of a key that
+disagree on the payload follow the mismatch policy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import types as st
+from spark_helpers import config_for, dead_letters, sink_key_counts
+
+from idem.config import MismatchPolicy
+from idem.redis_server import RedisServer
+from idem.spark.decorator import ExactlyOnce
+from idem.spark.delta_sink import delta_sink
+
+pytestmark = [pytest.mark.integration, pytest.mark.spark]
+
+SCHEMA = st.StructType(
+    [st.StructField("order_id", st.StringType()), st.StructField("amount", st.LongType())]
+)
+
+
+def _spread(spark: SparkSession, keys: int, copies: int, partitions: int) -> DataFrame:
+    """``copies`` identical rows of each of ``keys`` keys, dealt round-robin over
+    ``partitions`` input partitions (so the copies of a key sit in different ones)."""
+    rows = [(f"ORDERID_{n}", n) for _ in range(copies) for n in range(keys)]
+    return spark.createDataFrame(rows, SCHEMA).repartition(partitions)
+
+
+def test_copies_of_a_key_in_different_partitions_reach_the_sink_once(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
+) -> None:
+    batch = _spread(spark, keys=300, copies=3, partitions=8)
+    assert batch.rdd.getNumPartitions() == 8
+    config = config_for(tmp_path, redis_server.url, "spread", engine=ledger_engine)
+    given: Counter[str] = Counter()
+    reads: list[int] = []
+
+    def sink(fresh: DataFrame, batch_id: int) -> None:
+        reads.append(fresh.count())  # read it twice: the same rows each time
+        given.update(r["order_id"] for r in fresh.select("order_id").collect())
+
+    function_sink = ExactlyOnce(sink, config=config, key="order_id", client=real_redis)
+    function_sink.query_id = "q"
+    outcome = function_sink.process(batch, 0)
+    assert reads == [300]
+    assert set(given.values()) == {1}
+    assert len(given) == 300
+    assert (outcome.messages, outcome.applied, outcome.retaken) == (900, 300, 0)
+    assert outcome.duplicates == {"in_batch": 600}
+    # The same batch again (another batch id): every key is a completed duplicate.
+    again = function_sink.process(batch, 1)
+    assert again.applied == 0
+    assert again.duplicates == {"completed": 900}
+    assert len(given) == 300
+    assert set(given.values()) == {1}
+
+    table = tmp_path / "orders"
+    table_config = config.with_changes(group="spread-table")
+    written = delta_sink(str(table), key="order_id", config=table_config, client=real_redis)
+    written.query_id = "q"
+    assert written.process(batch, 0).applied == 300
+    assert written.process(batch, 1).applied == 0
+    counts = sink_key_counts(table)
+    assert len(counts) == 300
+    assert set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("policy", [MismatchPolicy.WARN, MismatchPolicy.DEAD_LETTER])
+def test_copies_of_a_key_that_disagree_follow_the_mismatch_policy(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    policy: MismatchPolicy,
+) -> None:
+    config = config_for(tmp_path, redis_server.url, "disagree", mismatch_policy=policy)
+    rows = [("A", 1), ("B", 2), ("A", 99)]  # A's second copy has another payload
+    batch = spark.createDataFrame(rows, SCHEMA).repartition(3)
+    given: list[tuple[str, int]] = []
+
+    def sink(fresh: DataFrame, batch_id: int) -> None:
+        given.extend((r["order_id"], r["amount"]) for r in fresh.collect())
+
+    decorated = ExactlyOnce(sink, config=config, key="order_id", client=real_redis)
+    decorated.query_id = "q"
+    outcome = decorated.process(batch, 0)
+    assert sorted(k for k, _ in given) == ["A", "B"]
+    assert outcome.mismatched == 1
+    letters = dead_letters(config)
+    if policy is MismatchPolicy.DEAD_LETTER:
+        assert [(d.key, d.reason) for d in letters] == [
+            ("A", "payload_mismatch: another row of the batch has this key with another payload")
+        ]
+        assert outcome.dead == 1
+    else:
+        assert letters == []
+        assert outcome.dead == 0
