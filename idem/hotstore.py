@@ -151,7 +151,7 @@ class RedisHotStore:
         self.lease_ms = lease_ms
         self.completed_ttl_ms = completed_ttl_ms
         self.clock = clock
-        self._server = ServerClock(client, group) if isinstance(clock, SystemClock) else None
+        self._server = ServerClock(client, group)  # read only while ``clock`` is the system's
         tags = [f"idem:{{{group}:{bucket}}}" for bucket in range(buckets)]
         self._span = -(-lease_ms // CLAIM_GEN_MS)  # older claim generations a live lease may sit in
         self._claim_gens = f"{CLAIM_GEN_MS}:{self._span}"
@@ -190,12 +190,14 @@ class RedisHotStore:
         """The time leases and the dedup window run on, in epoch milliseconds: Redis's
         clock (estimated, see :class:`~idem.server_time.ServerClock`) with the system
         clock, else the injected clock's reading. Stamp ``completed_at`` with it."""
-        return self._server.now_ms() if self._server is not None else self.clock.now_ms()
+        if isinstance(self.clock, SystemClock):
+            return self._server.now_ms()
+        return self.clock.now_ms()
 
     def instant(self) -> Instant:
         """When a script call made now runs: Redis's ``TIME`` within :data:`SLACK_MS`
         of :meth:`now_ms` with the system clock, else exactly the injected clock's now."""
-        if self._server is not None:
+        if isinstance(self.clock, SystemClock):
             return Instant(self._server.now_ms(), SLACK_MS, "")
         now = self.clock.now_ms()
         return Instant(now, 0, str(now))
@@ -318,7 +320,7 @@ class RedisHotStore:
     def _failed(self, error: redis.RedisError) -> None:
         """A script refused a hash it was not given: Redis's clock is not where this
         process thought (stepped on the server). Read it again before the next call."""
-        if self._server is not None and "without declaring it in KEYS" in str(error):
+        if "without declaring it in KEYS" in str(error):
             self._server.forget()
 
     def _pipes(self) -> RoutedPipelines:
