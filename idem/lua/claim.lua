@@ -3,6 +3,8 @@
 -- KEYS[1]  watermark of the bucket      idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
 -- KEYS[2..] every hash named below that this call may read or write: the current,
 --          previous and next completed generations, the claim generations pgen-span..pgen
+--          (for every now the caller's estimate of Redis's clock allows: at a boundary,
+--          one generation more)
 -- ARGV[1]  hash tag of the bucket       idem:{<group>:<bucket>}
 -- ARGV[2]  now_ms: empty for Redis's clock (TIME, in production); a test clock's
 --          instant otherwise (see instant() in _prelude.lua)

@@ -5,7 +5,8 @@
 -- KEYS[2]  session key of a multi-call completion  idem:{<group>:<bucket>}:s:<token>
 --          (used by modes 'part' and 'end' only)
 -- KEYS[3..] every hash named below that this call may read or write: the claim
---          generations pgen-span..pgen and the completed generation of ARGV[5]
+--          generations pgen-span..pgen (for every now the caller's estimate of
+--          Redis's clock allows) and the completed generation of ARGV[5]
 -- ARGV[1]  hash tag of the bucket      idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms: empty for Redis's clock (TIME), a test clock's instant otherwise

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  watermark key of the bucket (not touched; it routes the call to the
 --          bucket's cluster slot, which every name built from ARGV[1] shares)
--- KEYS[2..] the claim generation hashes pgen-span..pgen (see claim.lua)
+-- KEYS[2..] the claim generation hashes pgen-span..pgen (see claim.lua), for every now
+--          the caller's estimate of Redis's clock allows
 -- ARGV[1]  hash tag of the bucket   idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
 -- ARGV[3]  now_ms: empty for Redis's clock (TIME), a test clock's instant otherwise
