@@ -191,16 +191,23 @@ class RedisHotStore:
         clock (estimated, see :class:`~idem.server_time.ServerClock`) with the system
         clock, else the injected clock's reading. Stamp ``completed_at`` with it."""
         if isinstance(self.clock, SystemClock):
-            return self._server.now_ms()
+            return self._server_ms()
         return self.clock.now_ms()
 
     def instant(self) -> Instant:
         """When a script call made now runs: Redis's ``TIME`` within :data:`SLACK_MS`
         of :meth:`now_ms` with the system clock, else exactly the injected clock's now."""
         if isinstance(self.clock, SystemClock):
-            return Instant(self._server.now_ms(), SLACK_MS, "")
+            return Instant(self._server_ms(), SLACK_MS, "")
         now = self.clock.now_ms()
         return Instant(now, 0, str(now))
+
+    def _server_ms(self) -> int:
+        try:
+            return self._server.now_ms()
+        except StoreUnavailable:
+            metrics.count("redis_errors", self.group, component="dedup")
+            raise
 
     # -- names -------------------------------------------------------------------------
 
