@@ -24,9 +24,10 @@ from redis_backends import RealRedis
 
 from idem.config import IdemConfig
 from idem.dedup import Dedup
+from idem.errors import StoreUnavailable
 from idem.hotstore import RedisHotStore
 from idem.hotstore_types import KeyStatus
-from idem.keys import group_by_bucket
+from idem.keys import bucket_of, group_by_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -91,7 +92,10 @@ def _stepped(
     return reply
 
 
-def _redis_ms(hot: RedisHotStore) -> int:
+def _redis_ms(dedup: Dedup) -> int:
+    """Redis's clock now."""
+    hot = dedup.hot
+    assert isinstance(hot, RedisHotStore)
     seconds, micros = hot.client.time()
     return int(seconds) * 1000 + int(micros) // 1000
 
@@ -109,7 +113,7 @@ def test_a_stepped_process_takes_no_live_lease_and_claims_no_completed_key(
         faketime, step, settings, action="claim", owner="stepped:0", keys=["HELD", "DONE", "NEW"]
     )
 
-    assert abs(seen["clock_ms"] - _redis_ms(here.hot)) > 9 * MINUTE_MS  # the step took
+    assert abs(seen["clock_ms"] - _redis_ms(here)) > 9 * MINUTE_MS  # the step took
     assert seen["busy"] == ["HELD"]
     assert seen["duplicates"] == ["DONE"]
     assert seen["fresh"] == ["NEW"]
@@ -124,9 +128,9 @@ def test_leases_and_completions_of_a_stepped_process_hold_for_the_others(
     faketime: str, settings: dict[str, Any], here: Dedup, step: str
 ) -> None:
     _stepped(faketime, step, settings, action="complete", owner="stepped:0", keys=["DONE"])
-    before = _redis_ms(here.hot)
+    before = _redis_ms(here)
     _stepped(faketime, step, settings, action="hold", owner="stepped:1", keys=["HELD"])
-    after = _redis_ms(here.hot)
+    after = _redis_ms(here)
 
     claim = here.begin(["HELD", "DONE", "NEW"], owner="here:0")
 
@@ -143,3 +147,23 @@ def test_leases_and_completions_of_a_stepped_process_hold_for_the_others(
     assert state["DONE"].completed_at_ms is not None
     assert state["DONE"].completed_at_ms <= before
     assert here.ledger.audit() == []
+
+
+def test_a_call_named_for_another_time_than_redis_clock_is_refused_and_writes_nothing(
+    here: Dedup, real_backend: RealRedis
+) -> None:
+    # A call whose generations were named for an hour from Redis's clock (Redis's
+    # clock was stepped after the caller read it) is refused before it writes: a
+    # claim in a generation nobody reads would hide a live lease.
+    hot = here.hot
+    assert isinstance(hot, RedisHotStore)
+    here.catch_up()  # every bucket's index is built: the claim reaches its generations
+    off = _redis_ms(here) + 3_600_000
+    tag, routing = hot.claim_route(bucket_of("K", hot.buckets), off)
+    args = [tag, *hot.claim_arguments("", "stale:0", min_version=-1, mode="hold"), "K"]
+
+    with pytest.raises(StoreUnavailable, match="without declaring it in KEYS"):
+        hot.checked(hot.run_claims([(tag, routing, args)]), "claim")
+
+    assert hot.lookup(group_by_bucket(["K"], hot.buckets))["K"].status is KeyStatus.ABSENT
+    assert here.begin(["K"], owner="here:1").fresh == (0,)
