@@ -56,6 +56,11 @@ class ServerClock:
     """Redis's clock, estimated: ``TIME`` read at most every :data:`RESYNC_NS`, then
     advanced on ``time.monotonic_ns``. Thread-safe.
 
+    Only the first reading must succeed: when a later one fails (Redis is down
+    for a moment) the last one is carried on, which the monotonic clock keeps
+    within milliseconds, so a commit whose ledger write needs no Redis is not
+    held up by it.
+
     On a Redis Cluster ``TIME`` is read from one node: the nodes' clocks are
     expected to agree within :data:`SLACK_MS` (NTP does much better).
     """
@@ -66,14 +71,20 @@ class ServerClock:
         self._lock = threading.Lock()
         self._base_ms: int | None = None
         self._base_ns = 0
+        self._next_ns: int | None = None  # when to read TIME again (None: at once)
 
     def now_ms(self) -> int:
         """Redis's current time in epoch milliseconds (raises :class:`StoreUnavailable`
         when Redis cannot be asked)."""
         with self._lock:
             mono = time.monotonic_ns()
-            if self._base_ms is None or mono - self._base_ns >= RESYNC_NS:
-                self._sync()
+            if self._next_ns is None or mono >= self._next_ns:
+                try:
+                    self._sync()
+                except StoreUnavailable:
+                    if self._base_ms is None:
+                        raise
+                    self._next_ns = mono + RESYNC_NS  # not on every call while Redis is down
                 mono = time.monotonic_ns()
             assert self._base_ms is not None
             return self._base_ms + (mono - self._base_ns) // 1_000_000
@@ -82,7 +93,7 @@ class ServerClock:
         """Read ``TIME`` again on the next :meth:`now_ms` (a script found Redis's clock
         outside the estimate: the server's clock was stepped)."""
         with self._lock:
-            self._base_ms = None
+            self._next_ns = None
 
     def _sync(self) -> None:
         before = time.monotonic_ns()
@@ -96,3 +107,4 @@ class ServerClock:
         after = time.monotonic_ns()
         self._base_ms = int(seconds) * 1000 + int(micros) // 1000
         self._base_ns = (before + after) // 2
+        self._next_ns = after + RESYNC_NS

@@ -22,12 +22,14 @@ from typing import Any
 import pytest
 from redis_backends import RealRedis
 
+from idem import server_time
 from idem.config import IdemConfig
 from idem.dedup import Dedup
 from idem.errors import StoreUnavailable
 from idem.hotstore import RedisHotStore
 from idem.hotstore_types import KeyStatus
 from idem.keys import bucket_of, group_by_bucket
+from idem.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +169,25 @@ def test_a_call_named_for_another_time_than_redis_clock_is_refused_and_writes_no
 
     assert hot.lookup(group_by_bucket(["K"], hot.buckets))["K"].status is KeyStatus.ABSENT
     assert here.begin(["K"], owner="here:1").fresh == (0,)
+
+
+def test_a_commit_made_while_redis_is_down_still_lands_in_the_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ledger commit needs no Redis; the time it stamps comes from Redis's clock as
+    # last read, carried on, when Redis cannot be asked again (here: at every call).
+    monkeypatch.setattr(server_time, "RESYNC_NS", 0)
+    with RedisServer() as server:
+        settings = {"group": "orders", "redis_url": server.url, "data_dir": str(tmp_path)}
+        dedup = Dedup(IdemConfig(**settings, buckets=2))
+        claim = dedup.begin(["K"], owner="q:1")
+        assert claim.fresh == (0,)
+        before = _redis_ms(dedup)
+        server.kill()
+        outcome = dedup.complete(claim, batch_id=1, app_id="q", defer_index=True)
+        dedup.close()  # the Redis update fails and is logged: the next claim catches up
+    assert outcome.committed == 1
+    found = dedup.ledger.existing(["K"], since_ms=None)
+    assert list(found) == ["K"]
+    assert dedup.ledger.audit() == []
+    assert before <= dedup.hot.now_ms() < before + 60_000
