@@ -87,12 +87,14 @@ GROUP_COMMANDS: tuple[str, ...] = (
     "discard",
     "info",
     "ping",
+    "time",
     "cluster|slots",
     "cluster|shards",
     "command",
 )
 """Commands a group's user may run: what idem's Lua scripts and redis-py calls send
-(``INFO``: a push consumer notices a restarted Redis by its ``run_id``; ``CLUSTER
+(``TIME``: leases and the dedup window run on Redis's clock; ``INFO``: a push
+consumer notices a restarted Redis by its ``run_id``; ``CLUSTER
 SLOTS``/``SHARDS`` and ``COMMAND``: redis-py's cluster client reads the slot map)."""
 
 PRODUCER_COMMANDS: tuple[str, ...] = (

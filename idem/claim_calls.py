@@ -40,7 +40,10 @@ def as_text(value: bytes | str) -> str:
 
 
 class ClaimCalls:
-    """One claim of many keys, at one instant: :meth:`add` them, then read :meth:`result`.
+    """One claim of many keys: :meth:`add` them, then read :meth:`result`.
+
+    Each call decides at Redis's clock when it runs (with the system clock), or at
+    the injected test clock's instant read when the claim was made.
 
     On a single server each call (one EVALSHA per bucket chunk) is written to
     the connection when added, so Redis runs it while the caller prepares the
@@ -60,10 +63,10 @@ class ClaimCalls:
         """``hold=False``: the verdicts only; ``renew``: only ``owner``'s own claims get a
         new lease (verdict R, reported as re-taken), nothing else is written."""
         self._store = store
-        self._now = store.clock.now_ms()
+        self._when = store.instant()
         mode = "renew" if renew else "hold" if hold else "look"
         self._head_tail = store.claim_arguments(
-            self._now, owner, min_version=min_version, mode=mode
+            self._when.arg, owner, min_version=min_version, mode=mode
         )
         self._owner = owner
         self._hold = hold and not renew  # what abandon() gives back
@@ -76,10 +79,10 @@ class ClaimCalls:
 
     def add(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> None:
         """Claim these keys too (each key at most once per claim)."""
-        store, now = self._store, self._now
+        store, when = self._store, self._when
         for bucket, given in keys_by_bucket.items():
             keys = given if isinstance(given, list) else list(given)
-            tag, routing = store.claim_route(bucket, now)
+            tag, routing = store.claim_route(bucket, when.ms, when.slack_ms)
             head = [tag, *self._head_tail]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]

@@ -56,7 +56,7 @@ class PendingClaim:
             keys, field=field, max_bytes=config.max_key_bytes, buckets=config.buckets
         )
         self.version: int | None = None  # every claimed key's bucket had reached it
-        self.claimed_at_ms = dedup.clock.now_ms()
+        self.claimed_at_ms = dedup.hot.now_ms()  # the clock leases and the window run on
         self._calls: ClaimInFlight | None = None
         try:
             if len(order) > CLAIM_WAVE_ROWS:
@@ -178,7 +178,7 @@ class PendingClaim:
     def _strict_recheck(self, claimed: set[str], result: ClaimResult) -> set[str]:
         """Strict mode: keys the ledger already holds within the window are duplicates."""
         dedup = self.dedup
-        since = dedup.clock.now_ms() - dedup.config.dedup_window_ms
+        since = dedup.hot.now_ms() - dedup.config.dedup_window_ms
         found = dedup.ledger.existing(sorted(claimed), since_ms=since)
         if found:
             dedup.hot.release(group_by_bucket(found, dedup.config.buckets), self.owner)

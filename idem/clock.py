@@ -8,7 +8,18 @@ from typing import Protocol
 
 
 class Clock(Protocol):
-    """Wall time in milliseconds since the epoch, and a way to wait."""
+    """Wall time in milliseconds since the epoch, and a way to wait.
+
+    Leases and the dedup window do not run on this clock in production: with the
+    system clock (:data:`SYSTEM_CLOCK`, every default) the Redis scripts that decide
+    them read Redis's own clock (``TIME``), and the stamps and generation names
+    the caller needs come from its estimate of that clock (see
+    :meth:`idem.hotstore.RedisHotStore.now_ms`). A process whose clock is stepped
+    therefore takes over no live lease and re-admits no completed key. Any other
+    clock is a test hook: its instant is passed to the scripts, which decide by
+    it, so a test can expire a lease or end a window without waiting. Delays,
+    timeouts and the ledger's own horizons still follow this clock.
+    """
 
     def now_ms(self) -> int:
         """The current time in epoch milliseconds."""

@@ -72,8 +72,10 @@ class Dedup:
             a :class:`~idem.hotstore.RedisHotStore` on ``client``.
         ledger: The durable Delta ledger; by default
             :func:`~idem.ledger.open_ledger` of ``config``.
-        clock: The time source of leases and the dedup window (inject one in
-            tests; it must be the same wall time for every process of the group).
+        clock: The time source of delays and waits. Leases and the dedup window
+            run on Redis's clock with the system clock (the default); a test may
+            inject another, whose instant then decides them (see
+            :class:`~idem.clock.Clock`).
         catch_up_grace_ms: How long a claim waits, when the ledger is ahead of
             the Redis index, for the writer of the newer commits to index them
             before it loads them from the ledger itself.
@@ -218,7 +220,8 @@ class Dedup:
             buckets = [known[i] for i in indices]
         else:
             buckets = [bucket_of(key, self.config.buckets) for key in keys]
-        now = self.clock.now_ms()
+        # completed_at starts the key's window: stamped by the clock the window runs on.
+        now = self.hot.now_ms()
         rows = self._ledger_rows(
             claim,
             indices=indices,

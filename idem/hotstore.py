@@ -23,7 +23,13 @@ command slower), and the index takes about half the memory.
 
 A missing watermark means the bucket's index is unknown (FLUSHALL, empty restart):
 claims there answer "stale", never "new", until :meth:`RedisHotStore.index_completed`
-rebuilds it. Time comes from the injected :class:`~idem.clock.Clock`, never Redis ``TIME``.
+rebuilds it. Leases and the dedup window run on Redis's clock: the scripts read
+``TIME`` (a client whose clock is stepped takes over no live lease and re-admits
+no completed key), and the caller names the hashes a call may touch, and stamps
+``completed_at``, from its estimate of that clock (:mod:`idem.server_time`). A
+store given an injected clock other than the system clock (a test's
+:class:`~idem.clock.ManualClock`) passes that clock's instant to the scripts
+instead, which decide by it.
 
 Each call is one pipeline round trip carrying one EVALSHA per bucket chunk (on a
 Redis Cluster one per primary owning some of the buckets, see
@@ -53,7 +59,7 @@ from redis.commands.core import Script
 
 from idem import metrics
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
-from idem.clock import SYSTEM_CLOCK, Clock
+from idem.clock import SYSTEM_CLOCK, Clock, SystemClock
 from idem.config import IdemConfig
 from idem.errors import ConfigError, StoreUnavailable
 from idem.hotstore_types import (
@@ -68,6 +74,7 @@ from idem.keys import bucket_of
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient, RoutedPipelines
 from idem.redis_stream import ScriptCall, ScriptCalls
+from idem.server_time import SLACK_MS, Instant, ServerClock
 
 __all__ = [
     "ClaimResult",
@@ -112,7 +119,9 @@ class RedisHotStore:
 
     ``client`` is a redis-py client (``decode_responses`` either way); ``lease_ms``
     is how long a claim holds a key, ``completed_ttl_ms`` the dedup window a
-    COMPLETED key stays in Redis.
+    COMPLETED key stays in Redis. With the system ``clock`` (the default) leases
+    and the window run on Redis's clock; any other clock (a test's) decides them
+    by its own instant, see :meth:`now_ms`.
     """
 
     def __init__(
@@ -142,6 +151,7 @@ class RedisHotStore:
         self.lease_ms = lease_ms
         self.completed_ttl_ms = completed_ttl_ms
         self.clock = clock
+        self._server = ServerClock(client, group)  # read only while ``clock`` is the system's
         tags = [f"idem:{{{group}:{bucket}}}" for bucket in range(buckets)]
         self._span = -(-lease_ms // CLAIM_GEN_MS)  # older claim generations a live lease may sit in
         self._claim_gens = f"{CLAIM_GEN_MS}:{self._span}"
@@ -174,17 +184,44 @@ class RedisHotStore:
             clock=clock,
         )
 
+    # -- time --------------------------------------------------------------------------
+
+    def now_ms(self) -> int:
+        """The time leases and the dedup window run on, in epoch milliseconds: Redis's
+        clock (estimated, see :class:`~idem.server_time.ServerClock`) with the system
+        clock, else the injected clock's reading. Stamp ``completed_at`` with it."""
+        if isinstance(self.clock, SystemClock):
+            return self._server_ms()
+        return self.clock.now_ms()
+
+    def instant(self) -> Instant:
+        """When a script call made now runs: Redis's ``TIME`` within :data:`SLACK_MS`
+        of :meth:`now_ms` with the system clock, else exactly the injected clock's now."""
+        if isinstance(self.clock, SystemClock):
+            return Instant(self._server_ms(), SLACK_MS, "")
+        now = self.clock.now_ms()
+        return Instant(now, 0, str(now))
+
+    def _server_ms(self) -> int:
+        try:
+            return self._server.now_ms()
+        except StoreUnavailable:
+            metrics.count("redis_errors", self.group, component="dedup")
+            raise
+
     # -- names -------------------------------------------------------------------------
 
     def claim_hash(self, key: str) -> str:
         """The Redis hash a claim of ``key`` made now goes to (the field is the key)."""
         tag = self._tags[bucket_of(key, self.buckets)]
-        return self._claim_names(tag, self.clock.now_ms())[0]
+        return self._claim_names(tag, self.now_ms())[0]
 
-    def _claim_names(self, tag: str, now_ms: int) -> list[str]:
-        """The claim generation hashes a call at ``now_ms`` may touch, newest first."""
-        pgen = now_ms // CLAIM_GEN_MS
-        return [f"{tag}:p:{CLAIM_GEN_MS}:{pgen - i}" for i in range(self._span + 1)]
+    def _claim_names(self, tag: str, now_ms: int, slack_ms: int = 0) -> list[str]:
+        """The claim generation hashes a call at ``now_ms`` (give or take ``slack_ms``)
+        may touch, newest first."""
+        newest = (now_ms + slack_ms) // CLAIM_GEN_MS
+        oldest = (now_ms - slack_ms) // CLAIM_GEN_MS - self._span
+        return [f"{tag}:p:{CLAIM_GEN_MS}:{pgen}" for pgen in range(newest, oldest - 1, -1)]
 
     def _completed_name(self, tag: str, gen: int) -> str:
         """The hash of the keys completed in generation ``gen`` (``completed_at // window``)."""
@@ -217,15 +254,18 @@ class RedisHotStore:
 
     # -- what a claim call needs (see :class:`~idem.claim_calls.ClaimCalls`) ---------------
 
-    def claim_route(self, bucket: int, now_ms: int) -> tuple[str, list[str]]:
-        """The hash tag of ``bucket`` and the KEYS of a claim there at ``now_ms``: the
-        watermark, the completed generations it reads (:meth:`_read_generations`), the
-        claim generations."""
+    def claim_route(self, bucket: int, now_ms: int, slack_ms: int = 0) -> tuple[str, list[str]]:
+        """The hash tag of ``bucket`` and the KEYS of a claim there at ``now_ms`` (give or
+        take ``slack_ms``): the watermark, the completed generations it reads
+        (:meth:`_read_generations`), the claim generations."""
         tag = self._tags[self._bucket(bucket)]
+        gens = sorted(
+            {*self._read_generations(now_ms - slack_ms), *self._read_generations(now_ms + slack_ms)}
+        )
         return tag, [
             self._wm[bucket],
-            *(self._completed_name(tag, g) for g in self._read_generations(now_ms)),
-            *self._claim_names(tag, now_ms),
+            *(self._completed_name(tag, g) for g in gens),
+            *self._claim_names(tag, now_ms, slack_ms),
         ]
 
     def _read_generations(self, now_ms: int) -> tuple[int, int, int]:
@@ -236,9 +276,12 @@ class RedisHotStore:
         gen = now_ms // self.completed_ttl_ms
         return gen, gen - 1, gen + 1
 
-    def claim_arguments(self, now_ms: int, owner: str, *, min_version: int, mode: str) -> list[str]:
-        """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow); ``mode``
-        is ``hold``, ``look`` or ``renew`` (see the script)."""
+    def claim_arguments(
+        self, now_ms: int | str, owner: str, *, min_version: int, mode: str
+    ) -> list[str]:
+        """ARGV[2..8] of claim.lua (ARGV[1] is the bucket's tag, the keys follow); ``now_ms``
+        is an :class:`~idem.server_time.Instant`'s ``arg`` (``""``: Redis's clock) or a
+        test clock's instant; ``mode`` is ``hold``, ``look`` or ``renew`` (see the script)."""
         return [
             str(now_ms), owner, str(self.lease_ms), self._claim_gens,
             _version("min_version", min_version), self._window, mode,
@@ -273,12 +316,19 @@ class RedisHotStore:
         """``replies`` of streamed calls; raises :class:`StoreUnavailable` on an error reply."""
         for reply in replies:
             if isinstance(reply, redis.RedisError):
+                self._failed(reply)
                 metrics.count("redis_errors", self.group, component="dedup")
                 raise StoreUnavailable(
                     f"Redis {operation} for group {self.group!r} failed: {reply} "
                     "(the outcome is unknown; read the state again before acting on it)"
                 ) from reply
         return replies
+
+    def _failed(self, error: redis.RedisError) -> None:
+        """A script refused a hash it was not given: Redis's clock is not where this
+        process thought (stepped on the server). Read it again before the next call."""
+        if "without declaring it in KEYS" in str(error):
+            self._server.forget()
 
     def _pipes(self) -> RoutedPipelines:
         """One round trip per server (per primary on a Cluster) for commands of many buckets."""
@@ -288,6 +338,7 @@ class RedisHotStore:
         try:
             replies: list[Any] = pipe.execute()
         except redis.RedisError as exc:
+            self._failed(exc)
             metrics.count("redis_errors", self.group, component="dedup")
             raise StoreUnavailable(
                 f"Redis {operation} for group {self.group!r} failed: {exc} "
@@ -378,10 +429,10 @@ class RedisHotStore:
         """
         self._owner(owner)
         decided = self._decided(keys_by_bucket, buckets)
-        now = self.clock.now_ms()
-        at = now if completed_at_ms is None else completed_at_ms
+        when = self.instant()
+        at = when.ms if completed_at_ms is None else completed_at_ms
         head_tail = [
-            owner, str(now), self._claim_gens, str(at), _version("version", version), self._window
+            owner, when.arg, self._claim_gens, str(at), _version("version", version), self._window
         ]  # fmt: skip
         token = uuid.uuid4().hex
         calls = self._script_calls(self._complete, "complete")
@@ -404,7 +455,7 @@ class RedisHotStore:
                 if keys:
                     routing += [
                         self._completed_name(tag, at // self.completed_ttl_ms),
-                        *self._claim_names(tag, now),
+                        *self._claim_names(tag, when.ms, when.slack_ms),
                     ]
                 head = [tag, *head_tail]
                 for args, offset, decides in _calls(
@@ -441,9 +492,9 @@ class RedisHotStore:
         for bucket, keys in keys_by_bucket.items():
             self._bucket(bucket)
             tag = self._tags[bucket]
-            now = self.clock.now_ms()
-            head = [tag, owner, str(now), self._claim_gens]
-            routing = [self._wm[bucket], *self._claim_names(tag, now)]
+            when = self.instant()
+            head = [tag, owner, when.arg, self._claim_gens]
+            routing = [self._wm[bucket], *self._claim_names(tag, when.ms, when.slack_ms)]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]
                 self._release(keys=routing, args=head + list(chunk), client=pipes.pipe(tag))
@@ -457,9 +508,10 @@ class RedisHotStore:
     def lookup(self, keys_by_bucket: Mapping[int, Sequence[str]]) -> dict[str, KeyState]:
         """The stored state of each key (``ABSENT`` when Redis holds nothing).
 
-        A key COMPLETED within the window wins over any claim left on it.
+        A key COMPLETED within the window wins over any claim left on it; the window
+        runs on :meth:`now_ms` (Redis's clock in production).
         """
-        now = self.clock.now_ms()
+        now = self.now_ms()
         gens = self._read_generations(now)
         pipes = self._pipes()
         plan: list[Sequence[str]] = []
@@ -581,10 +633,10 @@ class RedisHotStore:
             raise ValueError("fingerprints: a fingerprint must not contain '|'")
         tag = self._tags[bucket]
         routing = [self._wm[bucket], f"{tag}:s:{uuid.uuid4().hex}"]
-        now = self.clock.now_ms()
+        when = self.instant()
         head = [
             tag,
-            str(now),
+            when.arg,
             self._window,
             _version("to_version", to_version),
             "" if from_version is None else _version("from_version", from_version),
@@ -594,7 +646,7 @@ class RedisHotStore:
         queued = 0
         for args, start, _ in _calls(head, columns, INDEX_CHUNK):
             ats = completed_at_ms[start : start + INDEX_CHUNK]
-            names = [self._completed_name(tag, g) for g in self._generations(ats, now)]
+            names = [self._completed_name(tag, g) for g in self._generations(ats, when.low)]
             self._index(keys=routing + names, args=args, client=pipes.pipe(tag))
             queued += 1
             if queued == INDEX_CHUNKS_PER_PIPELINE:  # bound what one round trip buffers
@@ -605,7 +657,8 @@ class RedisHotStore:
         return bool(replies[-1][1] == 1)
 
     def _generations(self, completed_at_ms: Sequence[int], now_ms: int) -> list[int]:
-        """The completed generations keys completed at these times go to (while in the window)."""
+        """The completed generations keys completed at these times go to (while in the
+        window at ``now_ms``, the earliest the script's instant can be)."""
         live = now_ms - self.completed_ttl_ms  # index.lua skips a key unless at > live
         if not completed_at_ms or max(completed_at_ms) <= live:
             return []
@@ -628,7 +681,7 @@ class RedisHotStore:
         wanted = (
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
-        gen = self.clock.now_ms() // self.completed_ttl_ms
+        gen = self.now_ms() // self.completed_ttl_ms
         names = [
             (self._tags[bucket], self._completed_name(self._tags[bucket], g))
             for bucket in wanted
@@ -658,7 +711,7 @@ class RedisHotStore:
         wanted = (
             list(range(self.buckets)) if buckets is None else [self._bucket(b) for b in buckets]
         )
-        gens = self._read_generations(self.clock.now_ms())
+        gens = self._read_generations(self.now_ms())
         pipes = self._pipes()
         for bucket in wanted:
             tag = self._tags[bucket]

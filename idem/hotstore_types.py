@@ -101,6 +101,11 @@ class HotStore(Protocol):
         """Refuse a store that may drop keys silently."""
         ...
 
+    def now_ms(self) -> int:
+        """The time leases and the dedup window run on (epoch ms): the store's own clock
+        in production, an injected test clock's otherwise."""
+        ...
+
     def bind_ledger(self, ledger: str) -> None:
         """Record ``ledger`` as the group's one ledger, or refuse another one."""
         ...

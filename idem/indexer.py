@@ -168,7 +168,7 @@ class Indexer:
         return marks
 
     def _rebuild(self, buckets: Sequence[int]) -> None:
-        since = self._clock.now_ms() - self._config.dedup_window_ms
+        since = self._hot.now_ms() - self._config.dedup_window_ms
         snapshot = self._ledger.window(since, buckets)
         log.info(
             "rebuilding the Redis index of %d bucket(s) from ledger version %d (%d keys)",
@@ -191,7 +191,7 @@ class Indexer:
         if changes is None:
             # The versions we missed were cleaned from the log: rebuild from the window.
             log.warning("ledger log no longer holds the missed versions; rebuilding the window")
-            since = self._clock.now_ms() - self._config.dedup_window_ms
+            since = self._hot.now_ms() - self._config.dedup_window_ms
             snapshot = self._ledger.window(since, list(behind))
             table, to_version = snapshot.keys, snapshot.version
         else:

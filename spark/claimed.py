@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from idem.claiming import MAX_INDEX_ROUNDS
+from idem.clock import SystemClock
 from idem.dedup import Dedup
 from idem.errors import IndexUnsettled
 from idem.spark.faults import TaskFault
@@ -87,9 +88,10 @@ def claim_batch(
     from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
     version = dedup.catch_up()
-    now = dedup.clock.now_ms()
+    now = dedup.hot.now_ms()
+    at = None if isinstance(dedup.clock, SystemClock) else now  # None: Redis's clock decides
     task = ClaimTask(
-        dedup.config, owner, now, version, hold, key, fingerprints=fingerprints, fault=fault
+        dedup.config, owner, at, version, hold, key, fingerprints=fingerprints, fault=fault
     )
     frame = verdict_frame(prepared, task).persist(StorageLevel.MEMORY_AND_DISK)
     counts = _counts(frame)

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from idem.clock import ManualClock
+from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
 from idem.hotstore import RedisHotStore
 from idem.hotstore_types import HotStore
@@ -70,14 +70,15 @@ class IndexTask:
         owner: The batch's owner token: its claims are the ones completed.
         version: The ledger version holding the keys.
         completed_at_ms: When the keys were completed (the ledger rows' time).
-        now_ms: The instant of the update, chosen by the driver (lease checks).
+        now_ms: The instant of the update's lease checks when the driver's clock is a
+            test clock; ``None`` (the system clock): Redis's clock decides them.
     """
 
     config: IdemConfig
     owner: str
     version: int
     completed_at_ms: int
-    now_ms: int
+    now_ms: int | None
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """Index the task's committed keys; one result row (called once per task)."""
@@ -93,7 +94,9 @@ class IndexTask:
         prints = prints_column.take(pa.array(order)).to_pylist()
         grouped = split_by_bucket(keys, buckets[order])
         store = RedisHotStore.from_config(
-            self.config, client=redis_client(self.config.redis_url), clock=ManualClock(self.now_ms)
+            self.config,
+            client=redis_client(self.config.redis_url),
+            clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
         )
         done = store.complete(
             grouped,

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from idem.clock import ManualClock
+from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
 from idem.errors import InvalidKey
 from idem.hotstore import RedisHotStore
@@ -129,8 +129,9 @@ class ClaimTask:
     Args:
         config: The group's settings (Redis URL, buckets, lease, window, key limit).
         owner: The batch's owner token (query id and batch id).
-        now_ms: The instant of the claim, chosen by the driver: every task and
-            every attempt of a task claims at it, so leases and generations agree.
+        now_ms: The instant of the claim when the driver's clock is a test clock:
+            every task and every attempt of a task claims at it. ``None`` (the
+            system clock): each call decides at Redis's clock.
         min_version: The ledger version each bucket's index must have reached.
         hold: Whether the claims take leases (see :meth:`idem.dedup.Dedup.begin`).
         key: The column holding the business key.
@@ -140,7 +141,7 @@ class ClaimTask:
 
     config: IdemConfig
     owner: str
-    now_ms: int
+    now_ms: int | None
     min_version: int
     hold: bool
     key: str
@@ -224,7 +225,9 @@ class ClaimTask:
         names = pc.take(keys, pa.array(first[by_bucket])).to_pylist()
         grouped = split_by_bucket(names, first_buckets[by_bucket])
         store = RedisHotStore.from_config(
-            self.config, client=redis_client(self.config.redis_url), clock=ManualClock(self.now_ms)
+            self.config,
+            client=redis_client(self.config.redis_url),
+            clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
         )
         calls = store.start_claim(self.owner, min_version=self.min_version, hold=self.hold)
         try:

@@ -7,6 +7,16 @@
 --   gathered(list, fn)  the same, concatenating the tables fn returns
 --   present(name)       whether a key exists (a lookup in a missing hash is skipped)
 --   declared(name)      name itself, or an error when it is not one of KEYS
+--   instant(arg)        the now (epoch ms) a script decides leases and the dedup
+--                       window by: Redis's own clock (TIME) when arg is empty, else
+--                       arg itself (the instant of a caller's injected test clock)
+--
+-- Redis's clock, not the caller's, decides: a client whose clock is stepped or
+-- runs ahead can neither take over a live lease nor see a completed key as new.
+-- Redis 7 replicates a script's effects, not the script, so reading TIME is safe
+-- on replicas and in an AOF. The caller names the generation hashes a call may
+-- touch from its estimate of Redis's clock (with some slack); a TIME outside it
+-- makes declared() fail before anything is written.
 --
 -- Every name a script builds goes through declared(): the caller declares all of
 -- them in KEYS, so on a Redis Cluster whose slot is being migrated the server
@@ -51,4 +61,13 @@ local function declared(name)
     error('idem: the script touches ' .. name .. ' without declaring it in KEYS')
   end
   return name
+end
+
+
+local function instant(arg)
+  if arg == '' then
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return tonumber(arg)
 end

@@ -3,8 +3,11 @@
 -- KEYS[1]  watermark of the bucket      idem:{<group>:<bucket>}:wm   "<version>|<window_ms>"
 -- KEYS[2..] every hash named below that this call may read or write: the current,
 --          previous and next completed generations, the claim generations pgen-span..pgen
+--          (for every now the caller's estimate of Redis's clock allows: at a boundary,
+--          one generation more)
 -- ARGV[1]  hash tag of the bucket       idem:{<group>:<bucket>}
--- ARGV[2]  now_ms (from the caller's clock, never Redis TIME)
+-- ARGV[2]  now_ms: empty for Redis's clock (TIME, in production); a test clock's
+--          instant otherwise (see instant() in _prelude.lua)
 -- ARGV[3]  owner token (no '|')
 -- ARGV[4]  lease_ms
 -- ARGV[5]  claim generations "<width_ms>:<span>" (see below)
@@ -22,8 +25,9 @@
 -- (field = key, value = <fingerprint>|<completed_at_ms>, gen = completed_at div
 -- window); a key is COMPLETED while completed_at + window > now, so the current
 -- and the previous generation hold every live one, and the next one too: a writer
--- whose clock runs ahead of this caller's may have completed a key past the
--- boundary already (every value there, and in the current one, is live). Claims live in generation
+-- whose clock ran ahead (an injected test clock, or a completed_at stamped by a
+-- clock ahead of Redis's) may have completed a key past the boundary already
+-- (every value there, and in the current one, is live). Claims live in generation
 -- hashes too:  <tag>:p:<width>:<pgen>  field = key, value =
 -- P|<owner>|<lease_until_ms>|<attempt>, pgen = claimed_at div width. span =
 -- ceil(lease / width), so generations pgen-span .. pgen hold every live lease
@@ -32,7 +36,7 @@
 -- (as R or X below) for at least width. Every lookup and write is one C-level
 -- command per chunk and hash (HMGET, HSET, HDEL), none per key.
 --
--- Uses sliced/gathered/present/declared from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/present/declared/instant from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {0} when the watermark is missing, below min_version or written for
 -- another window: nothing was claimed, the caller must catch the index up first.
@@ -55,7 +59,7 @@ if not version or window ~= ARGV[7] or tonumber(version) < tonumber(ARGV[6]) the
 end
 
 local tag = ARGV[1]
-local now = tonumber(ARGV[2])
+local now = instant(ARGV[2])
 local owner = ARGV[3]
 local lease_until = string.format('%d', now + tonumber(ARGV[4]))
 local pwidth, span = string.match(ARGV[5], '^(%d+):(%d+)$')

@@ -5,10 +5,11 @@
 -- KEYS[2]  session key of a multi-call completion  idem:{<group>:<bucket>}:s:<token>
 --          (used by modes 'part' and 'end' only)
 -- KEYS[3..] every hash named below that this call may read or write: the claim
---          generations pgen-span..pgen and the completed generation of ARGV[5]
+--          generations pgen-span..pgen (for every now the caller's estimate of
+--          Redis's clock allows) and the completed generation of ARGV[5]
 -- ARGV[1]  hash tag of the bucket      idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
--- ARGV[3]  now_ms (caller's clock)
+-- ARGV[3]  now_ms: empty for Redis's clock (TIME), a test clock's instant otherwise
 -- ARGV[4]  claim generations "<width_ms>:<span>" (see claim.lua)
 -- ARGV[5]  completed_at_ms
 -- ARGV[6]  version: the ledger version that holds these keys
@@ -37,7 +38,7 @@
 -- The watermark moves to max(wm, version) only if it exists for this window,
 -- wm >= version - 1 and no key of the bucket was fenced.
 --
--- Uses sliced/gathered/present/declared from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/present/declared/instant from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {codes, advanced}: codes has one character per key, in order:
 --   C  written COMPLETED     F  fenced
@@ -46,7 +47,7 @@
 local mode = ARGV[8]
 local fenced = false
 local codes = {}
-local now = tonumber(ARGV[3])
+local now = instant(ARGV[3])
 local window = ARGV[7]
 local width = tonumber(window)
 

@@ -5,7 +5,7 @@
 -- KEYS[2]  session key of a multi-call load  idem:{<group>:<bucket>}:s:<token>
 -- KEYS[3..] the completed generation hashes this call's keys go to (see below)
 -- ARGV[1]  hash tag of the bucket          idem:{<group>:<bucket>}
--- ARGV[2]  now_ms (caller's clock)
+-- ARGV[2]  now_ms: empty for Redis's clock (TIME), a test clock's instant otherwise
 -- ARGV[3]  window_ms: the dedup window
 -- ARGV[4]  to_version: every ledger version <= it is in this load (with what was
 --          indexed before)
@@ -27,7 +27,7 @@
 -- is missing or written for another window) or (the wm exists for this window
 -- and wm >= from_version).
 --
--- Uses sliced/gathered/declared from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/declared/instant from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {written, advanced}: keys written, and 1 if the watermark now covers
 -- to_version (else 0).
@@ -38,7 +38,7 @@ local written = 0
 
 if mode ~= 'end' and #ARGV > 7 then
   local tag = ARGV[1]
-  local now = tonumber(ARGV[2])
+  local now = instant(ARGV[2])
   local width = tonumber(window)
   local n = (#ARGV - 7) / 3
   local by_gen = {}

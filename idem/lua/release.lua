@@ -2,10 +2,11 @@
 --
 -- KEYS[1]  watermark key of the bucket (not touched; it routes the call to the
 --          bucket's cluster slot, which every name built from ARGV[1] shares)
--- KEYS[2..] the claim generation hashes pgen-span..pgen (see claim.lua)
+-- KEYS[2..] the claim generation hashes pgen-span..pgen (see claim.lua), for every now
+--          the caller's estimate of Redis's clock allows
 -- ARGV[1]  hash tag of the bucket   idem:{<group>:<bucket>}
 -- ARGV[2]  owner token
--- ARGV[3]  now_ms (caller's clock)
+-- ARGV[3]  now_ms: empty for Redis's clock (TIME), a test clock's instant otherwise
 -- ARGV[4]  claim generations "<width_ms>:<span>" (see claim.lua)
 -- ARGV[5..] business keys
 --
@@ -13,13 +14,13 @@
 -- only while this owner holds it (live or expired lease); COMPLETED keys live
 -- elsewhere and other owners' claims are never touched. One HMGET and at most
 -- one HDEL per claim generation.
--- Uses sliced/gathered/declared from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/declared/instant from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns the number of keys released.
 
 local tag = ARGV[1]
 local head = 'P|' .. ARGV[2] .. '|'
-local now = tonumber(ARGV[3])
+local now = instant(ARGV[3])
 local pwidth, span = string.match(ARGV[4], '^(%d+):(%d+)$')
 pwidth, span = tonumber(pwidth), tonumber(span)
 local keys = {}
