@@ -147,13 +147,19 @@ def ledger_schema(
     fields = list(from_arrow_schema(LEDGER_SCHEMA).fields)
     by_name = {f.name: f for f in batch.fields}
     lower = {} if table_types is None else {n.lower(): n for n in table_types.names}
+    present = set()
     for name in columns:
         table_name = lower.get(name.lower())
         if table_name is None or table_types is None:
             fields.append(st.StructField(name, by_name[name].dataType, nullable=True))
         else:
+            present.add(table_name)
             kind = from_arrow_type(table_types.field(table_name).type)
             fields.append(st.StructField(table_name, kind, nullable=True))
+    # A column of the table the rows lack: fit_rows adds it, null (as Delta writes it).
+    for wanted in table_types or ():
+        if wanted.name not in present and wanted.name not in LEDGER_SCHEMA.names:
+            fields.append(st.StructField(wanted.name, from_arrow_type(wanted.type), nullable=True))
     fields.append(st.StructField(MISFIT_COLUMN, st.StringType(), nullable=True))
     return st.StructType(fields)
 

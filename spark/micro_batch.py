@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from idem.clock import Clock
+from idem.clock import Clock, SystemClock
 from idem.config import DedupMode, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
@@ -525,7 +525,7 @@ class MicroBatch:
         if offered <= 0:
             return _Commit()
         ledger = s.dedup.ledger
-        now = s.clock.now_ms()
+        now = s.dedup.hot.now_ms()  # Redis's clock, as the ledger rows' completed_at
         task = LedgerRowsTask(
             group=s.dedup.config.group,
             owner=self.owner,
@@ -603,7 +603,9 @@ class MicroBatch:
         )
         if slipped:
             committed = committed.where(~F.col(KEY_COLUMN).isin(list(slipped)))
-        task = IndexTask(s.dedup.config, self.owner, version, now, now)
+        # None: the scripts read Redis's clock (a test's clock is passed as it is).
+        at = None if isinstance(s.clock, SystemClock) else now
+        task = IndexTask(s.dedup.config, self.owner, version, now, at)
         done = index_committed(committed, task, s.dedup.hot)
         if done.fenced:
             log.warning(

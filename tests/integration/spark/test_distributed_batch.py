@@ -61,10 +61,11 @@ def test_copies_of_a_key_in_different_partitions_reach_the_sink_once(
     assert len(given) == 300
     assert (outcome.messages, outcome.applied, outcome.retaken) == (900, 300, 0)
     assert outcome.duplicates == {"in_batch": 600}
-    # The same batch again (another batch id): every key is a completed duplicate.
+    # The same batch again (another batch id): every key is a completed duplicate (and
+    # its other copies in-batch ones, as before).
     again = function_sink.process(batch, 1)
     assert again.applied == 0
-    assert again.duplicates == {"completed": 900}
+    assert again.duplicates == {"in_batch": 600, "completed": 300}
     assert len(given) == 300
     assert set(given.values()) == {1}
 
@@ -102,9 +103,10 @@ def test_copies_of_a_key_that_disagree_follow_the_mismatch_policy(
     assert outcome.mismatched == 1
     letters = dead_letters(config)
     if policy is MismatchPolicy.DEAD_LETTER:
-        assert [(d.key, d.reason) for d in letters] == [
-            ("A", "payload_mismatch: another row of the batch has this key with another payload")
-        ]
+        assert [d.key for d in letters] == ["A"]
+        assert letters[0].reason.endswith(
+            "payload_mismatch: another row of the batch has this key with another payload"
+        )
         assert outcome.dead == 1
     else:
         assert letters == []
