@@ -53,7 +53,7 @@ from idem.retry.sendback import (
     SendBackProcessor,
 )
 from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
-from idem.retry.topic import DamagedEntry, RetryTopic
+from idem.retry.topic import DamagedEntry, RetryTopic, message_timeup, reset_retry_topic
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ class SendBackOutcome:
     due_ms: int | None = None
     resubmit_at_ms: int | None = None
     reason: str = ""
+    resend: MessageExt | None = None
+    """``RESUBMIT_LATER`` after the journal took the message: its journaled resend as the
+    retry topic would deliver it, at the original's queue and offset. Consume *this*
+    locally in the original's place (and acknowledge it with :meth:`RetryEngine.ack`):
+    it is the one retry chain of the failed delivery, so a failure sends it back in place
+    of the journaled copy, and its acknowledgement removes that copy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,13 +395,26 @@ class RetryEngine:
                         reason=d.letter.reason,
                     )
                 )
-            elif isinstance(d, DeadLettered) or status is SendBackStatus.RESUBMIT_LATER:
+            elif isinstance(d, DeadLettered) or not journaled:
                 outcomes.append(
                     SendBackOutcome(
                         original.msg_id,
                         original.origin_msg_id,
                         SendBackStatus.RESUBMIT_LATER,
                         resubmit_at_ms=resubmit_at,
+                    )
+                )
+            elif status is SendBackStatus.RESUBMIT_LATER:
+                outcomes.append(
+                    SendBackOutcome(
+                        original.msg_id,
+                        original.origin_msg_id,
+                        SendBackStatus.RESUBMIT_LATER,
+                        new_msg_id=d.message.msg_id,
+                        delay_level=d.level,
+                        due_ms=d.due_ms,
+                        resubmit_at_ms=resubmit_at,
+                        resend=self._local_resend(d, now),
                     )
                 )
             else:
@@ -411,6 +430,15 @@ class RetryEngine:
                     )
                 )
         return SendBackResult(tuple(outcomes))
+
+    def _local_resend(self, decision: Scheduled, now: int) -> MessageExt:
+        """The journaled resend as ``%RETRY%<group>`` would deliver it, in the original's
+        queue and offset (the consumer's process queue holds it there)."""
+        original = decision.original
+        landed = message_timeup(decision.message, queue_offset=0, store_timestamp=now)
+        return reset_retry_topic(landed, self.group).evolve(
+            queue_id=original.queue_id, queue_offset=original.queue_offset
+        )
 
     def dead_letter(
         self,
