@@ -7,12 +7,14 @@ Real redis-server, real Delta tables; the crash is a real SIGKILL of a child pro
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from retry_helpers import drain
@@ -89,9 +91,20 @@ def _crash_child(server: RedisServer, data_dir: Path, crash_at: str) -> None:
     assert child.returncode == -9, child.stderr  # killed at the stage, as a crash
 
 
+def _audit_cli(common: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    """``idem retry audit --json``: its exit code and what it printed."""
+    capsys.readouterr()
+    code = cli_main(["retry", "audit", "--json", *common])
+    return code, json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("recovery", ["rebuild", "restart"])
 def test_a_crash_between_the_dlq_write_and_the_journal_leaves_no_message_dead_and_live(
-    recovery: str, tmp_path: Path, redis_server: RedisServer, clock: ManualClock
+    recovery: str,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    clock: ManualClock,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     redis_server.client().flushall()
     data_dir = tmp_path / "data"
@@ -108,15 +121,21 @@ def test_a_crash_between_the_dlq_write_and_the_journal_leaves_no_message_dead_an
 
     _crash_child(redis_server, data_dir, "dead_lettered")
     assert {d.origin_msg_id for d in engine.dlq.list()} == dying  # the DLQ write landed
+    common = ["--group", GROUP, "--redis-url", redis_server.url, "--data-dir", str(data_dir)]
+    code, found = _audit_cli(common, capsys)
+    assert code == 1  # idem retry audit sees them dead and retrying
+    assert set(found["retrying_and_dead"]) == dying
 
     if recovery == "rebuild":
-        common = ["--group", GROUP, "--redis-url", redis_server.url, "--data-dir", str(data_dir)]
         assert cli_main(["retry", "rebuild", *common]) == 0
     else:  # a consumer of the group starts again, Redis kept what it had
         engine.close()
         engine = RetryEngine(config, clock=clock)
         engine.recover()
 
+    code, found = _audit_cli(common, capsys)
+    assert (code, found["retrying_and_dead"], found["redis_vs_journal"]) == (0, [], [])
+    assert found["dead"] == len(dying)
     audit = audit_states(engine, expected, done=set())
     assert not audit.doubled, audit.describe()
     assert audit.ok, audit.describe()
