@@ -596,6 +596,13 @@ class RetryEngine:
         except LedgerError:
             log.warning("retry journal unreadable; serving what Redis has", exc_info=True)
 
+    def catch_up(self) -> None:
+        """Sync Redis with the journal unless this engine did within the last second (at
+        once when Redis lost the cursor). :meth:`poll_retry` does it; call it before reading
+        ``%RETRY%<group>`` another way (a takeover's ``XAUTOCLAIM``), so that a message the
+        journal has acknowledged or dead-lettered meanwhile is not handed out."""
+        self._maybe_sync()
+
     # -- the retry topic -----------------------------------------------------------------
 
     def poll_retry(

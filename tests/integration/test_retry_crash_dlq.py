@@ -1,6 +1,8 @@
 """A process killed (SIGKILL) between the dead-letter write and the journal append, while
 it dead-letters messages it read from ``%RETRY%<group>``: after recovery each message is
-dead (one DLQ row) or live on the retry ladder, never both, and never consumed once dead.
+dead (one DLQ row) or live on the retry ladder, never both, and never consumed once dead:
+after ``idem retry rebuild``, after ``RetryEngine.recover``, and when a push consumer of
+the group simply starts again.
 
 Real redis-server, real Delta tables; the crash is a real SIGKILL of a child process.
 """
@@ -13,17 +15,21 @@ import sys
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from retry_helpers import drain
+from waiting import FAST, eventually
 
 from idem.cli import main as cli_main
 from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry import MessageExt, RetryEngine, audit_states
+from idem.retry.consumer import PushConsumer, TopicStore
+from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
 pytestmark = pytest.mark.integration
 
@@ -153,4 +159,47 @@ def test_a_crash_between_the_dlq_write_and_the_journal_leaves_no_message_dead_an
     assert set(done.values()) == {1}, done
     audit = audit_states(engine, expected, done=set(done))
     assert audit.ok, audit.describe()
+    engine.close()
+
+
+def test_a_push_consumer_started_after_the_crash_never_consumes_a_dead_letter(
+    tmp_path: Path, redis_server: RedisServer, clock: ManualClock
+) -> None:
+    redis_server.client().flushall()
+    data_dir = tmp_path / "data"
+    config = IdemConfig(
+        group=GROUP,
+        redis_url=redis_server.url,
+        data_dir=str(data_dir),
+        consume_timeout_ms=RECLAIM_MS,
+    )
+    engine = RetryEngine(config, clock=clock)
+    dying, climbing = _ladder(engine, clock)
+    _crash_child(redis_server, data_dir, "dead_lettered")
+
+    # an instance of the group starts on the same Redis and journal: it reclaims what the
+    # killed one had read and not acknowledged
+    TopicStore(redis_server.client()).create_topic("TopicTest", 1)
+    consumed: list[str] = []
+
+    def listener(
+        messages: Sequence[MessageExt], _context: ConsumeConcurrentlyContext
+    ) -> ConsumeConcurrentlyStatus:
+        consumed.extend(m.origin_msg_id for m in messages)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    consumer = PushConsumer(config, settings=FAST, client=redis_server.client())
+    consumer.subscribe("TopicTest")
+    consumer.register_message_listener_concurrently(listener)
+    consumer.start()
+    try:
+        eventually(lambda: climbing <= set(consumed), timeout=60, what="the live retries")
+        time.sleep(2 * RECLAIM_MS / 1000)  # a dead letter still pending would be reclaimed
+    finally:
+        consumer.shutdown()
+    assert not set(consumed) & dying, f"dead letters consumed: {sorted(set(consumed) & dying)}"
+    assert Counter(consumed) == dict.fromkeys(climbing, 1)
+    audit = audit_states(engine, dying | climbing, done=climbing)
+    assert audit.ok, audit.describe()
+    assert Counter(d.origin_msg_id for d in engine.dlq.list()) == dict.fromkeys(dying, 1)
     engine.close()
