@@ -126,7 +126,7 @@ class ConcurrentlyService:
     ) -> list[MessageExt]:
         """Of messages read from the retry topic, those to consume: a copy of a journaled
         resend consumed locally is acknowledged, one being consumed locally is left pending."""
-        consume, done, wait = self.local_resends.sort_retried(messages)
+        consume, done, wait = self.local_resends.sort_retried(pq, messages)
         if done or wait:
             log.info(
                 "%s: %d retried message(s) already consumed locally, %d being consumed",
@@ -316,8 +316,6 @@ class ConcurrentlyService:
                 len(elsewhere),
                 pq.mq,
             )
-        # a local resend sent back again is replaced in the journal by its next resend
-        self.local_resends.forget(messages[i] for i in failing if messages[i].queue_offset in mine)
         keep: list[Kept] = []
         dead_indices = [i for i in sorted(result.dead) if messages[i].queue_offset in mine]
         dead = [messages[i] for i in dead_indices]
@@ -336,6 +334,12 @@ class ConcurrentlyService:
             errors = {messages[i].msg_id: result.failed[i].reason for i in indices}
             keep += self._call_engine(batch, level, errors, counts=counts)
             self.rt.stats.add(sent_back=len(batch))
+        # A local resend sent back is replaced in the journal by what the send-back placed
+        # or journaled; one whose send-back journaled nothing is still its chain's copy.
+        again = {m.queue_offset for m, resend in keep if resend is None}
+        self.local_resends.forget(
+            messages[i] for i in failing if messages[i].queue_offset in mine - again
+        )
         return keep, elsewhere
 
     def _call_engine(

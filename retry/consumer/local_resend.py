@@ -33,6 +33,14 @@ class _InFlight:
     pq: ProcessQueue
     message: MessageExt
 
+    def is_at(self, pq: ProcessQueue, offset: int) -> bool:
+        """Whether ``pq``'s message at ``offset`` is this local resend's place."""
+        return pq is self.pq and offset == self.message.queue_offset
+
+    def alive(self) -> bool:
+        """Whether the local resend is still to be consumed (its queue kept, it cached)."""
+        return not self.pq.dropped and self.pq.contains(self.message)
+
 
 class LocalResends:
     """The journaled resends this consumer consumes locally, by msg id (thread-safe)."""
@@ -71,21 +79,23 @@ class LocalResends:
                 self._in_flight.pop(message.msg_id, None)
 
     def sort_retried(
-        self, messages: Iterable[MessageExt]
+        self, pq: ProcessQueue, messages: Iterable[MessageExt]
     ) -> tuple[list[MessageExt], list[MessageExt], list[MessageExt]]:
-        """Split messages read from the retry topic into (to consume, copies of consumed
-        local resends: acknowledge, not consume; copies of ones consumed locally now:
-        leave pending)."""
+        """Split messages of the retry topic submitted on ``pq`` into (to consume, copies of
+        consumed local resends: acknowledge, not consume; copies of ones being consumed
+        locally: leave pending). A local resend itself (re-submitted on the retry topic's
+        own process queue, at the offset of the message it replaced) is consumed."""
         consume: list[MessageExt] = []
         done: list[MessageExt] = []
         wait: list[MessageExt] = []
         with self._lock:
             for message in messages:
-                if message.msg_id in self._done:
-                    done.append(message)
-                    continue
                 local = self._in_flight.get(message.msg_id)
-                if local is not None and not local.pq.dropped and local.pq.contains(local.message):
+                if local is not None and local.is_at(pq, message.queue_offset):
+                    consume.append(message)
+                elif message.msg_id in self._done:
+                    done.append(message)
+                elif local is not None and local.alive():
                     wait.append(message)
                 else:
                     consume.append(message)

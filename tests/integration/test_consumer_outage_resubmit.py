@@ -12,6 +12,7 @@ lost, and no copy comes back after the local success.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -169,6 +170,48 @@ def test_a_retried_copy_of_a_message_consumed_locally_is_not_consumed_again(
         assert consumer.stats.resubmitted >= 1
         assert listener.succeeded == dict.fromkeys(keys, 1), listener.succeeded
         assert engine.pending() == 0
+        audit = audit_states(engine, origins, done=origins)
+        assert audit.ok, audit.describe()
+    finally:
+        consumer.shutdown()
+        engine.close()
+
+
+def test_a_message_failing_from_the_retry_topic_during_the_outage_keeps_one_chain(
+    redis_server: RedisServer, real_redis: redis.Redis, retry_store: RedisServer, tmp_path: Path
+) -> None:
+    """The first failure is sent back while Redis is up; the retry side dies as the retried
+    copy is consumed, so its failures are re-submitted locally on the retry topic's own
+    process queue, where the journaled resend takes its place and is consumed."""
+
+    killed = threading.Lock()
+
+    class DiesOnRetry(FailingFirst):
+        def __call__(
+            self, messages: Sequence[MessageExt], context: ConsumeConcurrentlyContext
+        ) -> ConsumeConcurrentlyStatus:
+            if messages[0].reconsume_times > 0 and killed.acquire(blocking=False):
+                retry_store.kill()  # once: the first retried delivery
+            return super().__call__(messages, context)
+
+    listener = DiesOnRetry(3)
+    consumer, engine = _consumer(
+        redis_server, real_redis, retry_store, tmp_path, listener=listener, faults=FAULTS
+    )
+    keys = [f"ORDER_{n}" for n in range(4)]
+    try:
+        producer = Producer("p", client=real_redis)
+        origins = {producer.send(new_message("orders", b"{}", keys=key)).msg_id for key in keys}
+        # a key retried from %RETRY% fails twice more, locally, then succeeds: all while down
+        eventually(lambda: any(listener.succeeded.values()), timeout=60)
+        assert not retry_store.running
+        retry_store.start()
+        eventually(lambda: all(listener.succeeded[k] for k in keys), timeout=60)
+        eventually(lambda: engine.pending() == 0, timeout=30, what="no retry pending")
+        time.sleep(3)
+        assert listener.succeeded == dict.fromkeys(keys, 1), listener.succeeded
+        assert engine.pending() == 0
+        assert engine.dlq.count() == 0
         audit = audit_states(engine, origins, done=origins)
         assert audit.ok, audit.describe()
     finally:
