@@ -23,6 +23,17 @@ consume-timeout detection lateness beside RocketMQ's scan model.
    scan model: ``cleanExpiredMsg`` runs every ``consumeTimeout`` minutes, so a
    message is found up to one whole timeout after its deadline (uniform over
    the scan period: p99 = 0.99 x timeout).
+3. Hook cost (``--hook-messages``, ``--hook-only``, ``--skip-hook``): the dedup
+   hook's cost per message beside AWS Powertools' idempotency utility
+   (``idempotent_function`` outside Lambda with ``RedisCachePersistenceLayer``),
+   side by side in one process and one thread, on the same messages (each run
+   sees them fresh) and the same redis-server: the handler alone, the handler
+   behind the hook (one consume call per ``--hook-batch`` messages, a message
+   counted once its ledger commit is durable), the handler behind Powertools (one
+   call per message; its record lives in Redis only). Runs interleave over
+   ``--hook-rounds`` rounds; medians are printed in microseconds per message, with
+   the ratio of the two layers' own cost (handler subtracted) and of the totals.
+   Needs the ``bench`` extra (``pip install 'idem-exactly-once[bench]'``).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from idem.retry.consumer import (
     new_message,
 )
 from idem.retry.consumer.listener import CallNext
+from idem.retry.consumer.topics import MessageQueue
 from idem.retry.message import MessageExt
 from idem.retry.status import ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus
 
@@ -464,6 +476,194 @@ def timeout_lateness(
         consumer.shutdown()
 
 
+class HookCost(NamedTuple):
+    """One round of the hook-cost section: microseconds per message of each variant."""
+
+    handler_us: float
+    idem_us: float
+    powertools_us: float
+
+
+def _handle(body: bytes) -> int:
+    """The handler every variant runs: parse the message's JSON body."""
+    return int(json.loads(body)["amount"])
+
+
+HOOK_WARMUP = 200
+"""Messages each variant consumes before it is timed (its tables, scripts, connections)."""
+
+
+def hook_messages(n: int, prefix: str = "order") -> list[MessageExt]:
+    """The messages every variant of the hook-cost section consumes."""
+    return [new_message(TOPIC, b'{"amount": 1}', keys=f"{prefix}-{i}") for i in range(n)]
+
+
+def _handler_alone(messages: Sequence[MessageExt]) -> float:
+    began = time.perf_counter()
+    total = sum(_handle(m.body) for m in messages)
+    elapsed = time.perf_counter() - began
+    assert total == len(messages)
+    return elapsed * 1e6 / len(messages)
+
+
+def _idem_hook(
+    server: RedisServer,
+    messages: Sequence[MessageExt],
+    *,
+    batch: int,
+    commit_interval_ms: int,
+    workdir: Path,
+) -> float:
+    """µs per message through :class:`DedupMiddleware` (fresh group), until every
+    message's ledger commit is durable."""
+    group = f"hook-idem-{uuid.uuid4().hex[:6]}"
+    config = IdemConfig(group=group, redis_url=server.url, data_dir=str(workdir / group))
+    middleware = DedupMiddleware(Dedup(config), commit_interval_ms=commit_interval_ms)
+    middleware.open()
+    scope = ConsumeScope(MessageQueue(TOPIC, 0), "bench-hook", orderly=False, defer_acks=True)
+    handled = 0
+
+    def call_next(fresh: Sequence[MessageExt]) -> BatchResult:
+        nonlocal handled
+        for message in fresh:
+            handled += _handle(message.body)
+        return BatchResult(len(fresh))
+
+    def consume(batch_of: Sequence[MessageExt]) -> None:
+        waiting: dict[int, Deferred] = {}
+        for start in range(0, len(batch_of), batch):
+            result = middleware(batch_of[start : start + batch], scope, call_next)
+            if not result.ok:
+                raise RuntimeError(f"the dedup hook failed messages: {result}")
+            waiting.update((id(d), d) for d in result.pending.values())
+        for deferred in waiting.values():
+            if (failure := deferred.wait(120)) is not None:
+                raise RuntimeError(f"a ledger commit failed: {failure}")
+
+    try:
+        consume(hook_messages(HOOK_WARMUP, "warmup"))  # creates the ledger table
+        handled = 0
+        began = time.perf_counter()
+        consume(messages)
+        elapsed = time.perf_counter() - began
+    finally:
+        middleware.close()
+    assert handled == len(messages), f"the handler ran {handled} times for {len(messages)}"
+    return elapsed * 1e6 / len(messages)
+
+
+def _powertools(server: RedisServer, messages: Sequence[MessageExt]) -> float:
+    """µs per message through Powertools' ``idempotent_function`` (fresh key prefix)."""
+    import warnings
+
+    try:
+        from aws_lambda_powertools.utilities.idempotency import (
+            IdempotencyConfig,
+            idempotent_function,
+        )
+        from aws_lambda_powertools.utilities.idempotency.persistence.redis import (
+            RedisCachePersistenceLayer,
+        )
+    except ModuleNotFoundError as exc:
+        raise SystemExit(
+            f"the hook-cost section needs the bench extra: "
+            f"pip install 'idem-exactly-once[bench]' ({exc})"
+        ) from exc
+
+    with warnings.catch_warnings():
+        # the Redis layer the comparison names; Powertools 3 points to its successor
+        warnings.simplefilter("ignore", DeprecationWarning)
+        layer = RedisCachePersistenceLayer(client=server.client())
+    handled = 0
+
+    @idempotent_function(
+        data_keyword_argument="record",
+        persistence_store=layer,
+        config=IdempotencyConfig(event_key_jmespath="key"),
+        key_prefix=f"hook-pt-{uuid.uuid4().hex[:6]}",
+    )
+    def handle(record: dict[str, Any]) -> dict[str, int]:
+        nonlocal handled
+        handled += _handle(record["body"].encode())
+        return {"amount": 1}
+
+    def records(batch_of: Sequence[MessageExt]) -> list[dict[str, Any]]:
+        return [{"key": m.keys, "body": m.body.decode()} for m in batch_of]
+
+    with warnings.catch_warnings():
+        # outside Lambda there is no remaining time to read: it warns on every call
+        warnings.simplefilter("ignore", UserWarning)
+        for record in records(hook_messages(HOOK_WARMUP, "warmup")):
+            handle(record=record)
+        handled = 0
+        began = time.perf_counter()
+        for record in records(messages):
+            handle(record=record)
+        elapsed = time.perf_counter() - began
+    assert handled == len(messages), f"the handler ran {handled} times for {len(messages)}"
+    return elapsed * 1e6 / len(messages)
+
+
+def hook_cost(
+    server: RedisServer,
+    *,
+    messages: int,
+    batch: int,
+    rounds: int,
+    commit_interval_ms: int,
+    workdir: Path,
+) -> list[HookCost]:
+    """The hook-cost section: ``rounds`` interleaved rounds over the same messages."""
+    batch_of = hook_messages(messages)
+    out: list[HookCost] = []
+    for round_ in range(rounds):
+        handler = _handler_alone(batch_of)
+
+        def idem() -> float:
+            return _idem_hook(
+                server,
+                batch_of,
+                batch=batch,
+                commit_interval_ms=commit_interval_ms,
+                workdir=workdir,
+            )
+
+        def powertools() -> float:
+            return _powertools(server, batch_of)
+
+        if round_ % 2 == 0:  # alternate who goes first: a slow spell hits both alike
+            idem_us, powertools_us = idem(), powertools()
+        else:
+            powertools_us, idem_us = powertools(), idem()
+        out.append(HookCost(handler, idem_us, powertools_us))
+    return out
+
+
+def print_hook_cost(runs: Sequence[HookCost], *, messages: int, batch: int) -> None:
+    """The hook-cost table: medians over the rounds, and the ratios."""
+    handler = statistics.median(r.handler_us for r in runs)
+    idem = statistics.median(r.idem_us for r in runs)
+    powertools = statistics.median(r.powertools_us for r in runs)
+    print(
+        f"\ndedup hook vs AWS Powertools idempotency (RedisCachePersistenceLayer), one thread, "
+        f"{messages} messages, hook batch {batch}, same redis-server, median of {len(runs)} "
+        f"round(s):"
+    )
+    print(f"  {'handler alone':<34} {handler:>9.1f} us/msg")
+    print(f"  {'idem dedup hook (ledger durable)':<34} {idem:>9.1f} us/msg")
+    print(f"  {'Powertools idempotent_function':<34} {powertools:>9.1f} us/msg")
+    own_idem, own_pt = idem - handler, powertools - handler
+    print(
+        f"  ratio idem / Powertools: {own_idem / own_pt:.2f} (layers' own cost), "
+        f"{idem / powertools:.2f} (totals)"
+    )
+    for n, r in enumerate(runs, 1):
+        print(
+            f"    round {n}: handler {r.handler_us:.1f}, idem {r.idem_us:.1f}, "
+            f"Powertools {r.powertools_us:.1f} us/msg"
+        )
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (nearest rank)."""
     ordered = sorted(values)
@@ -494,7 +694,24 @@ def main() -> None:
         action="store_true",
         help="dedup: no Redis lock taking turns on ledger commits",
     )
-    parser.add_argument("--skip-timeout", action="store_true", help="measure throughput only")
+    parser.add_argument("--skip-timeout", action="store_true", help="no consume-timeout part")
+    parser.add_argument(
+        "--hook-messages",
+        type=int,
+        default=20_000,
+        help="hook cost: messages per variant and round",
+    )
+    parser.add_argument(
+        "--hook-batch",
+        type=int,
+        default=1,
+        help="hook cost: messages per consume call through the dedup hook (Powertools: 1)",
+    )
+    parser.add_argument("--hook-rounds", type=int, default=3, help="hook cost: rounds")
+    parser.add_argument("--skip-hook", action="store_true", help="no hook-cost part")
+    parser.add_argument(
+        "--hook-only", action="store_true", help="only the hook-cost part (dedup vs Powertools)"
+    )
     args = parser.parse_args()
     dedup_options = {
         "commit_lock": not args.no_commit_lock,
@@ -505,6 +722,9 @@ def main() -> None:
     server = RedisServer()
     server.start()
     try:
+        if args.hook_only:
+            _hook_part(server, args, workdir)
+            return
         print(
             f"push consumer, {INSTANCES} instances (processes), {QUEUES} queues, "
             f"{args.threads} consume threads each, file sink, {os.cpu_count()} cores; "
@@ -532,6 +752,8 @@ def main() -> None:
                 f"{dedup.rate / plain.rate:>6.2f}   {_cpu(plain)} | {_cpu(dedup)}",
                 flush=True,
             )
+        if not args.skip_hook:
+            _hook_part(server, args, workdir)
         if args.skip_timeout:
             return
 
@@ -555,6 +777,18 @@ def main() -> None:
         )
     finally:
         server.stop()
+
+
+def _hook_part(server: RedisServer, args: argparse.Namespace, workdir: Path) -> None:
+    runs = hook_cost(
+        server,
+        messages=args.hook_messages,
+        batch=args.hook_batch,
+        rounds=args.hook_rounds,
+        commit_interval_ms=args.commit_interval_ms,
+        workdir=workdir,
+    )
+    print_hook_cost(runs, messages=args.hook_messages, batch=args.hook_batch)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from idem.delay_levels import (
     FIRST_RETRY_LEVEL,
     DelayLevels,
 )
-from idem.retry.audit import StateAudit, audit_states
+from idem.retry.audit import StateAudit, audit_group, audit_states
 from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
 from idem.retry.engine import (
     RetryEngine,
@@ -137,6 +137,7 @@ __all__ = [
     "SendBackStatus",
     "StateAudit",
     "Stop",
+    "audit_group",
     "audit_states",
     "busy_msg_id",
     "dlq_topic",

@@ -12,8 +12,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from idem.retry.journal import live_messages
-
 if TYPE_CHECKING:
     from idem.retry.engine import RetryEngine
 
@@ -80,9 +78,7 @@ class StateAudit:
 def audit_states(engine: RetryEngine, expected: Iterable[str], done: Iterable[str]) -> StateAudit:
     """Audit ``engine``'s group: ``expected`` origin ids, of which ``done`` were completed."""
     retrying = frozenset(e.origin_msg_id for e in engine.store.live_entries())
-    journal_retrying = frozenset(
-        e.origin_msg_id for e in live_messages(engine.journal.events()).values()
-    )
+    journal_retrying = frozenset(e.origin_msg_id for e in engine.journal.live().values())
     dead = frozenset(letter.origin_msg_id for letter in engine.dlq.list())
     return StateAudit(
         expected=frozenset(expected),
@@ -90,4 +86,20 @@ def audit_states(engine: RetryEngine, expected: Iterable[str], done: Iterable[st
         retrying=retrying,
         journal_retrying=journal_retrying,
         dead=dead,
+    )
+
+
+def audit_group(engine: RetryEngine) -> StateAudit:
+    """Audit what the resend path alone can tell (``idem retry audit``): no message both
+    retrying and dead, and Redis holding what the journal holds live. What the consumer
+    completed is its sink's to say, so ``done`` is empty and every message seen is
+    expected."""
+    audit = audit_states(engine, (), ())
+    seen = audit.retrying | audit.journal_retrying | audit.dead
+    return StateAudit(
+        expected=seen,
+        done=frozenset(),
+        retrying=audit.retrying,
+        journal_retrying=audit.journal_retrying,
+        dead=audit.dead,
     )

@@ -9,7 +9,9 @@ probes. ``idem retry rebuild``
 clears the group's Redis side and rebuilds it from the Delta retry journal;
 ``idem retry compact`` snapshots the live messages into the journal so that
 rebuilds start from the snapshot instead of version 0; ``idem retry stats``
-prints what is scheduled, in the retry topic and in the journal.
+prints what is scheduled, in the retry topic and in the journal; ``idem retry
+audit`` checks that no message is both retrying and dead and that Redis holds
+what the journal holds live (exit 1 when not).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from idem.config import IdemConfig
 from idem.errors import ConfigError, StoreUnavailable, UnsafeRedisConfig
 from idem.metrics import MetricsServer, StateCollector, serve
 from idem.redis_client import redacted
+from idem.retry.audit import audit_group
 from idem.retry.engine import RetryEngine
 from idem.retry.group_state import read_group
 from idem.retry.schedule import DEFAULT_BATCH_SIZE, DEFAULT_MAX_IDLE_MS, ScheduleService
@@ -274,6 +277,53 @@ def _stats(args: Args) -> int:
     return 0
 
 
+@click.command(
+    "audit",
+    cls=IdemCommand,
+    help="Check that no message is both retrying and dead, and Redis matches the journal; "
+    "exit 1 if not.",
+)
+@_RETRY
+@json_option
+@handler
+def _audit(args: Args) -> int:
+    engine = RetryEngine(_config(args))
+    try:
+        with progress(f"auditing the resend path of group {engine.group}"):
+            audit = audit_group(engine)
+    finally:
+        engine.close()
+    doubled = sorted(audit.doubled)
+    mismatch = sorted(audit.redis_journal_mismatch)
+    if args.json:
+        emit_json(
+            {
+                "group": engine.group,
+                "retrying": len(audit.retrying),
+                "journal_retrying": len(audit.journal_retrying),
+                "dead": len(audit.dead),
+                "retrying_and_dead": doubled,
+                "redis_vs_journal": mismatch,
+                "ok": audit.ok,
+            }
+        )
+    else:
+        rows = [(origin, "retrying and dead") for origin in doubled]
+        rows += [
+            (origin, "live in Redis only" if origin in audit.retrying else "live in journal only")
+            for origin in mismatch
+        ]
+        if rows:
+            table(["origin msg id", "problem"], rows)
+        say(
+            args,
+            f"idem retry audit: {len(audit.retrying)} retrying, {len(audit.dead)} dead; "
+            f"{len(doubled)} both retrying and dead, {len(mismatch)} where Redis and the "
+            "journal disagree" + ("" if audit.ok else "; idem retry rebuild settles both"),
+        )
+    return 0 if audit.ok else 1
+
+
 def _flat(values: dict[str, object], prefix: str = "") -> list[tuple[str, object]]:
     """Nested stats as ``redis.live``-style rows."""
     out: list[tuple[str, object]] = []
@@ -288,7 +338,7 @@ def _flat(values: dict[str, object], prefix: str = "") -> list[tuple[str, object
 def register(cli: click.Group) -> None:
     """Add ``schedule`` and ``retry`` to the ``idem`` command line."""
     cli.add_command(_schedule)
-    retry = IdemGroup("retry", help="The resend path: rebuild, compact, stats.")
-    for command in (_rebuild, _compact, _stats):
+    retry = IdemGroup("retry", help="The resend path: rebuild, compact, stats, audit.")
+    for command in (_rebuild, _compact, _stats, _audit):
         retry.add_command(command)
     cli.add_command(retry)

@@ -34,7 +34,7 @@ from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
-from idem.retry.dlq import DeadLetterTable
+from idem.retry.dlq import DeadLetterStatus, DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal import JournalBase, JournalEvent, JournalEventType, RetryJournal
 from idem.retry.message import MessageConst, MessageExt
@@ -53,7 +53,7 @@ from idem.retry.sendback import (
     SendBackProcessor,
 )
 from idem.retry.store import ApplyResult, ScheduleStats, ScheduleStore
-from idem.retry.topic import DamagedEntry, RetryTopic
+from idem.retry.topic import DamagedEntry, RetryTopic, message_timeup, reset_retry_topic
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -91,6 +91,12 @@ class SendBackOutcome:
     due_ms: int | None = None
     resubmit_at_ms: int | None = None
     reason: str = ""
+    resend: MessageExt | None = None
+    """``RESUBMIT_LATER`` after the journal took the message: its journaled resend as the
+    retry topic would deliver it, at the original's queue and offset. Consume *this*
+    locally in the original's place (and acknowledge it with :meth:`RetryEngine.ack`):
+    it is the one retry chain of the failed delivery, so a failure sends it back in place
+    of the journaled copy, and its acknowledgement removes that copy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,13 +395,26 @@ class RetryEngine:
                         reason=d.letter.reason,
                     )
                 )
-            elif isinstance(d, DeadLettered) or status is SendBackStatus.RESUBMIT_LATER:
+            elif isinstance(d, DeadLettered) or not journaled:
                 outcomes.append(
                     SendBackOutcome(
                         original.msg_id,
                         original.origin_msg_id,
                         SendBackStatus.RESUBMIT_LATER,
                         resubmit_at_ms=resubmit_at,
+                    )
+                )
+            elif status is SendBackStatus.RESUBMIT_LATER:
+                outcomes.append(
+                    SendBackOutcome(
+                        original.msg_id,
+                        original.origin_msg_id,
+                        SendBackStatus.RESUBMIT_LATER,
+                        new_msg_id=d.message.msg_id,
+                        delay_level=d.level,
+                        due_ms=d.due_ms,
+                        resubmit_at_ms=resubmit_at,
+                        resend=self._local_resend(d, now),
                     )
                 )
             else:
@@ -411,6 +430,15 @@ class RetryEngine:
                     )
                 )
         return SendBackResult(tuple(outcomes))
+
+    def _local_resend(self, decision: Scheduled, now: int) -> MessageExt:
+        """The journaled resend as ``%RETRY%<group>`` would deliver it, in the original's
+        queue and offset (the consumer's process queue holds it there)."""
+        original = decision.original
+        landed = message_timeup(decision.message, queue_offset=0, store_timestamp=now)
+        return reset_retry_topic(landed, self.group).evolve(
+            queue_id=original.queue_id, queue_offset=original.queue_offset
+        )
 
     def dead_letter(
         self,
@@ -484,10 +512,60 @@ class RetryEngine:
         return self._sync_or_raise()
 
     def rebuild(self) -> ApplyResult:
-        """Clear the group's Redis side and rebuild it from the journal (``idem retry rebuild``)."""
+        """Clear the group's Redis side and rebuild it from the journal (``idem retry rebuild``),
+        dead-letterings a crash cut short finished first (:meth:`settle_dead_letters`)."""
+        self.settle_dead_letters()
         return self._redis(
             lambda: self.journal.rebuild(self.store), what="rebuild from the retry journal"
         )
+
+    def recover(self) -> ApplyResult:
+        """Bring the group back after a crash of one of its processes: finish the
+        dead-letterings it cut short (:meth:`settle_dead_letters`), then sync Redis with
+        the journal. Call it when a process of the group starts, before it consumes."""
+        self.settle_dead_letters()
+        return self.sync()
+
+    def settle_dead_letters(self) -> int:
+        """Journal the death of every message that ``%DLQ%<group>`` holds ``DEAD`` but the
+        journal still holds live; returns how many.
+
+        A send-back writes the dead letter first and journals its ``DEAD`` event after it;
+        a process killed between the two leaves the message both dead and on the retry
+        ladder, to be consumed again (done *and* dead). The DLQ row is the decision that
+        was made, so the death is finished, never undone: the message leaves the ladder at
+        the next sync. A message is only ever scheduled again under a new msg id (a replay
+        of its dead letter too), so a ``DEAD`` row whose msg id is live is always such a
+        cut-short dead-lettering. Reads the whole DLQ and the journal since its newest base.
+        """
+        if not self.dlq.exists():
+            return 0
+        live = self.journal.live()
+        if not live:
+            return 0
+        now = self.clock.now_ms()
+        events = [
+            JournalEvent(
+                JournalEventType.DEAD,
+                letter.msg_id,
+                letter.origin_msg_id,
+                letter.key,
+                letter.reconsume_times,
+                -1,
+                at_ms=now,
+            )
+            for letter in self.dlq.list(status=DeadLetterStatus.DEAD)
+            if letter.msg_id in live and live[letter.msg_id].origin_msg_id == letter.origin_msg_id
+        ]
+        if events:
+            self.journal.append(events)
+            log.warning(
+                "%d dead letter(s) of %s were not journaled (a send-back cut short); "
+                "journaled now, they leave the retry ladder",
+                len(events),
+                self.group,
+            )
+        return len(events)
 
     def maybe_compact_journal(self, interval_ms: int) -> JournalBase | None:
         """Compact the journal unless a process of the group did within ``interval_ms``
@@ -517,6 +595,13 @@ class RetryEngine:
             self._sync_or_raise()
         except LedgerError:
             log.warning("retry journal unreadable; serving what Redis has", exc_info=True)
+
+    def catch_up(self) -> None:
+        """Sync Redis with the journal unless this engine did within the last second (at
+        once when Redis lost the cursor). :meth:`poll_retry` does it; call it before reading
+        ``%RETRY%<group>`` another way (a takeover's ``XAUTOCLAIM``), so that a message the
+        journal has acknowledged or dead-lettered meanwhile is not handed out."""
+        self._maybe_sync()
 
     # -- the retry topic -----------------------------------------------------------------
 

@@ -296,6 +296,16 @@ class RetryJournal:
         """Every event, in journal order."""
         return [event for _pos, event in self.read_since(START)[0]]
 
+    def live(self) -> dict[str, JournalEvent]:
+        """Msg id -> scheduling event of every message the journal holds live (scheduled or
+        in the retry topic, neither acknowledged nor dead): the newest base and the events
+        after it, or every event when there is no base."""
+        base = self.read_base()
+        if base is None:
+            return live_messages(self.events())
+        tail, _ = self.read_since(base.resumes_at)
+        return live_messages([as_scheduled(e) for e in base.live] + [e for _pos, e in tail])
+
     # -- bringing Redis up to date -------------------------------------------------------
 
     def sync(

@@ -7,8 +7,10 @@ and run on a thread pool. After the listener (through the middleware) answers:
 - clustering: failed messages are sent back through the retry engine (broker
   path, then the client-side resend); any the engine could not place are kept
   in the process queue and consumed again locally after 5 s
-  (``submitConsumeRequestLater``); the rest are removed and the offset moves to
-  the smallest message still in flight;
+  (``submitConsumeRequestLater``) — as the journaled resend when the retry journal
+  took it (:mod:`~idem.retry.consumer.local_resend`: one retry chain, whichever copy
+  comes first is consumed); the rest are removed and the offset moves to the
+  smallest message still in flight;
 - broadcasting: failed messages are logged and dropped (RocketMQ does not retry
   them).
 
@@ -35,10 +37,11 @@ from dataclasses import dataclass
 from idem import metrics
 from idem.errors import IdemError
 from idem.retry.consumer.listener import BatchResult, Deferred, Failure
+from idem.retry.consumer.local_resend import LocalResends
 from idem.retry.consumer.process_queue import ProcessQueue
 from idem.retry.consumer.runtime import Runtime
 from idem.retry.consumer.topics import MessageQueue
-from idem.retry.engine import SendBackResult
+from idem.retry.engine import SendBackResult, SendBackStatus
 from idem.retry.message import MessageExt
 from idem.retry.sendback import BUSY_DELAY_LEVEL
 
@@ -55,6 +58,11 @@ def _unplaced(result: SendBackResult) -> set[str]:
     return {o.msg_id for o in result.resubmit}
 
 
+Kept = tuple[MessageExt, MessageExt | None]
+"""A failed message no send-back path placed, and the journaled resend to consume in its
+place (``None``: nothing was journaled, consume it again itself)."""
+
+
 class ConcurrentlyService:
     """Runs consume requests of concurrently consumed queues."""
 
@@ -68,6 +76,7 @@ class ConcurrentlyService:
         self._queues_lock = threading.Lock()
         self._running = 0
         self._idle = threading.Condition()
+        self.local_resends = LocalResends()
 
     def start(self) -> None:
         """Start the consume-timeout watchdog."""
@@ -102,6 +111,8 @@ class ConcurrentlyService:
     def submit(self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue) -> None:
         """Split ``messages`` into consume requests and queue them (``submitConsumeRequest``)."""
         self.watch(mq, pq)
+        if messages and self.rt.is_retry_queue(mq):
+            messages = self._skip_local_copies(messages, pq)
         size = self.rt.settings.consume_message_batch_max_size
         for start in range(0, len(messages), size):
             batch = list(messages[start : start + size])
@@ -109,6 +120,24 @@ class ConcurrentlyService:
                 self.executor.submit(self._consume, batch, pq, mq)
             except RuntimeError:  # shut down
                 return
+
+    def _skip_local_copies(
+        self, messages: Sequence[MessageExt], pq: ProcessQueue
+    ) -> list[MessageExt]:
+        """Of messages read from the retry topic, those to consume: a copy of a journaled
+        resend consumed locally is acknowledged, one being consumed locally is left pending."""
+        consume, done, wait = self.local_resends.sort_retried(pq, messages)
+        if done or wait:
+            log.info(
+                "%s: %d retried message(s) already consumed locally, %d being consumed",
+                self.rt.client_id,
+                len(done),
+                len(wait),
+            )
+            pq.remove_messages([*done, *wait])
+            if done:
+                self.rt.ack_retried(done)
+        return consume
 
     def submit_later(
         self, messages: Sequence[MessageExt], pq: ProcessQueue, mq: MessageQueue, delay_ms: int
@@ -184,10 +213,10 @@ class ConcurrentlyService:
         self.rt.stats.add(consumed_ok=len(acked) + len(pending), consume_failed=len(failed))
         # the listener's own rejections; a busy key or a store outage is not one
         metrics.count("failed", self.rt.group, sum(f.counts for f in result.failed.values()))
-        keep: list[MessageExt] = []
+        keep: list[Kept] = []
         elsewhere: set[int] = set()
         if self.rt.broadcasting:
-            keep = [messages[i] for i, f in sorted(result.failed.items()) if f.transient]
+            keep = [(messages[i], None) for i, f in sorted(result.failed.items()) if f.transient]
             dropped = sorted(
                 {i for i, f in result.failed.items() if not f.transient} | set(result.dead)
             )
@@ -200,7 +229,7 @@ class ConcurrentlyService:
             keep, elsewhere = self._send_back(messages, result, pq)
         # By queue offset, not msg id: a producer's resend (C1) can put two copies with
         # one msg id in one request, and the acknowledged copy must leave the queue.
-        held = {m.queue_offset for m in keep} | {messages[i].queue_offset for i in pending}
+        held = {m.queue_offset for m, _ in keep} | {messages[i].queue_offset for i in pending}
         held |= elsewhere  # the consume timeout's to place, or to give back if it cannot
         by_deferral: dict[int, tuple[Deferred, list[MessageExt]]] = {}
         for i, deferred in sorted(pending.items()):
@@ -209,16 +238,19 @@ class ConcurrentlyService:
         offset = pq.remove_messages([m for m in messages if m.queue_offset not in held])
         if offset >= 0:
             self.rt.commit_offset(mq, pq, offset, increase_only=True)
-        if self.rt.is_retry_queue(mq) and acked:
-            self.rt.ack_retried(acked)
+        self._ack_retried(acked, mq)
         if keep:
-            pq.release_send_back(keep)
+            pq.release_send_back([m for m, _ in keep])
             busy = {messages[i].queue_offset for i, f in result.failed.items() if not f.counts}
             again = [
                 m if m.queue_offset in busy else m.evolve(reconsume_times=m.reconsume_times + 1)
-                for m in keep
+                for m, resend in keep
+                if resend is None
             ]
-            self.submit_later(again, pq, mq, self._resubmit_delay_ms())
+            # the journaled resend takes the failed message's place: one retry chain
+            resends = pq.stand_in([(m, resend) for m, resend in keep if resend is not None])
+            self.local_resends.add(pq, resends)
+            self.submit_later(again + resends, pq, mq, self._resubmit_delay_ms())
         for deferred, batch in by_deferral.values():
             deferred.on_resolved(functools.partial(self._settled, batch, pq=pq, mq=mq))
 
@@ -247,8 +279,18 @@ class ConcurrentlyService:
             return
         if offset >= 0:
             self.rt.commit_offset(mq, pq, offset, increase_only=True)
+        self._ack_retried(messages, mq)
+
+    def _ack_retried(self, consumed: Sequence[MessageExt], mq: MessageQueue) -> None:
+        """Acknowledge, in the journal, consumed messages of the retry topic and consumed
+        local resends (whichever queue they took the place of a failed message in)."""
         if self.rt.is_retry_queue(mq):
-            self.rt.ack_retried(messages)
+            retried = list(consumed)
+        else:
+            retried = [m for m in consumed if self.local_resends.is_local(m)]
+        if retried:
+            self.rt.ack_retried(retried)
+            self.local_resends.consumed(retried)
 
     def _resubmit_delay_ms(self) -> int:
         engine = self.rt.engine
@@ -256,7 +298,7 @@ class ConcurrentlyService:
 
     def _send_back(
         self, messages: Sequence[MessageExt], result: BatchResult, pq: ProcessQueue
-    ) -> tuple[list[MessageExt], set[int]]:
+    ) -> tuple[list[Kept], set[int]]:
         """Dead-letter and send back; returns the messages no path could place, and the
         offsets of failed messages left alone: the consume timeout sent them back (or is
         sending them) while the listener ran, and a second send-back would put a second
@@ -274,7 +316,7 @@ class ConcurrentlyService:
                 len(elsewhere),
                 pq.mq,
             )
-        keep: list[MessageExt] = []
+        keep: list[Kept] = []
         dead_indices = [i for i in sorted(result.dead) if messages[i].queue_offset in mine]
         dead = [messages[i] for i in dead_indices]
         if dead:
@@ -292,6 +334,12 @@ class ConcurrentlyService:
             errors = {messages[i].msg_id: result.failed[i].reason for i in indices}
             keep += self._call_engine(batch, level, errors, counts=counts)
             self.rt.stats.add(sent_back=len(batch))
+        # A local resend sent back is replaced in the journal by what the send-back placed
+        # or journaled; one whose send-back journaled nothing is still its chain's copy.
+        again = {m.queue_offset for m, resend in keep if resend is None}
+        self.local_resends.forget(
+            messages[i] for i in failing if messages[i].queue_offset in mine - again
+        )
         return keep, elsewhere
 
     def _call_engine(
@@ -301,7 +349,7 @@ class ConcurrentlyService:
         errors: dict[str, str | BaseException],
         *,
         counts: bool = True,
-    ) -> list[MessageExt]:
+    ) -> list[Kept]:
         engine = self.rt.engine
         assert engine is not None
         try:
@@ -315,9 +363,12 @@ class ConcurrentlyService:
                 self.rt.client_id,
                 len(batch),
             )
-            return list(batch)
-        unplaced = _unplaced(outcome)
-        return [m for m in batch if m.msg_id in unplaced]
+            return [(m, None) for m in batch]
+        return [
+            (m, o.resend)
+            for m, o in zip(batch, outcome.outcomes, strict=True)
+            if o.status is SendBackStatus.RESUBMIT_LATER
+        ]
 
     # -- consume timeout -----------------------------------------------------------------
 

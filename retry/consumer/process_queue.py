@@ -253,6 +253,26 @@ class ProcessQueue:
                 taken.append(message)
             return taken
 
+    def stand_in(self, pairs: Iterable[tuple[MessageExt, MessageExt]]) -> list[MessageExt]:
+        """Put each ``(cached, replacement)``'s replacement in place of the cached message at
+        the same offset (the journaled resend consumed locally in its place); returns the
+        replacements put in. A pair whose message left the cache meanwhile is skipped."""
+        put: list[MessageExt] = []
+        with self._lock:
+            for cached, replacement in pairs:
+                offset = cached.queue_offset
+                current = self._messages.get(offset)
+                if (
+                    current is None
+                    or current.msg_id != cached.msg_id
+                    or replacement.queue_offset != offset
+                ):
+                    continue
+                self._messages[offset] = replacement
+                self._size += message_size(replacement) - message_size(current)
+                put.append(replacement)
+        return put
+
     def release_send_back(self, messages: Iterable[MessageExt]) -> None:
         """Give back messages taken with :meth:`take_for_send_back` that stay cached (their
         send-back could not place them)."""

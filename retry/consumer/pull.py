@@ -222,6 +222,7 @@ class PullService:
         (``XAUTOCLAIM``; this consumer's own are re-read too, and its process queue drops
         those it still holds)."""
         assert self.engine is not None
+        self.engine.catch_up()  # the journal may have removed some since (a dead letter)
         topic = self.engine.topic
         taken: list[MessageExt] = []
         start: Any = "0-0"

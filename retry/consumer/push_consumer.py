@@ -34,7 +34,7 @@ from redis.cluster import RedisCluster
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig
-from idem.errors import ConfigError
+from idem.errors import ConfigError, LedgerError
 from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.concurrently import ConcurrentlyService
@@ -579,6 +579,8 @@ class PushConsumer:
         if clustering and not self.orderly:
             self._filters.setdefault(self._retry_topic, TagFilter("*"))
         self.offset_store.load()
+        if clustering:
+            self._settle_dead_letters()
         if self.orderly:
             locks = (
                 QueueLocks(self.client, self.group, self.client_id, ttl_ms=s.effective_lock_ttl_ms)
@@ -648,6 +650,18 @@ class PushConsumer:
         self._started = True
         log.info("%s: started (group %s, %s)", self.client_id, self.group, s.message_model)
         return self
+
+    def _settle_dead_letters(self) -> None:
+        """Before consuming: finish the dead-letterings a crashed instance of the group cut
+        short, so a message it dead-lettered is not consumed again from the retry topic."""
+        if self.engine is None:
+            return
+        try:
+            self.engine.settle_dead_letters()
+        except LedgerError:  # Delta away: the next start (or idem retry rebuild) settles them
+            log.warning(
+                "%s: could not settle the group's dead letters", self.client_id, exc_info=True
+            )
 
     def _lock_all(self) -> None:
         if self.orderly_service is not None and self.rebalance is not None:
