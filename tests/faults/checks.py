@@ -40,7 +40,8 @@ def ledger_owners(config: IdemConfig) -> dict[str, str]:
     table = _table(config.resolved_ledger_path, ["key", "owner"])
     if table is None:
         return {}
-    return dict(zip(table.column("key").to_pylist(), table.column("owner").to_pylist(), strict=True))
+    keys, owners = table.column("key").to_pylist(), table.column("owner").to_pylist()
+    return dict(zip(keys, owners, strict=True))
 
 
 _SENT_BACK = pa.array(["SCHEDULED", "DEAD"])

@@ -15,10 +15,10 @@ import pytest
 # the scenarios' harness (Group, FileSink) is shared, not copied
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scenarios"))
 
-from proxy import FaultProxy  # noqa: E402
-from seeds import Seed, seed_from_env  # noqa: E402
+from proxy import FaultProxy
+from seeds import Seed, seed_from_env
 
-from idem.redis_server import RedisServer  # noqa: E402
+from idem.redis_server import RedisServer
 
 
 @pytest.fixture

@@ -187,7 +187,8 @@ class _Connection:
 
     def _loop(self) -> None:
         while not self.closed and not self.proxy._stopping.is_set():
-            if self.reset_now or (self.reset_at is not None and time.monotonic() > self.reset_deadline):
+            overdue = self.reset_at is not None and time.monotonic() > self.reset_deadline
+            if self.reset_now or overdue:
                 _reset(self.client)
                 return
             socks = [self.client] + ([self.upstream] if self.upstream is not None else [])
@@ -381,7 +382,8 @@ class FaultProxy:
             hit = list(self._connections)
             if fault is Fault.HALF_OPEN:
                 self._cut_until = time.monotonic() + duration_s
-            self.injected.append(Injected(fault, label, f"{len(hit)} connections", time.monotonic()))
+            what = f"{len(hit)} connections"
+            self.injected.append(Injected(fault, label, what, time.monotonic()))
         for conn in hit:
             if fault is Fault.RESET:
                 conn.reset_now = True

@@ -30,9 +30,10 @@ class Op(StrEnum):
     """A failed or busy message is scheduled for redelivery (``apply.lua``)."""
     OFFSET_PERSIST = "offset-persist"
     """The consumer writes its queues' offsets (``persist_offsets.lua``)."""
-    GROUP_COMMIT = "group-commit"
-    """A group commit takes and gives back the group's ledger-commit lock (``SET NX``,
-    ``unlock.lua``)."""
+    COMMIT_LOCK = "commit-lock"
+    """A group commit takes the group's ledger-commit lock (``SET NX``)."""
+    COMMIT_UNLOCK = "commit-unlock"
+    """A group commit gives the lock back (``unlock.lua``)."""
 
 
 def _sha(script: object) -> bytes:
@@ -48,7 +49,8 @@ def _shas() -> dict[Op, set[bytes]]:
             Op.COMPLETE: {_sha(idem_script(client, "complete.lua"))},
             Op.SEND_BACK: {_sha(retry_script(client, "apply.lua"))},
             Op.OFFSET_PERSIST: {_sha(offsets_script(client, "persist_offsets.lua"))},
-            Op.GROUP_COMMIT: {_sha(consumer_script(client, "unlock.lua"))},
+            Op.COMMIT_LOCK: set(),
+            Op.COMMIT_UNLOCK: {_sha(consumer_script(client, "unlock.lua"))},
         }
     finally:
         client.close()
@@ -67,7 +69,7 @@ def matcher(op: Op) -> Matcher:
         name = args[0].upper()
         if name in (b"EVALSHA", b"EVALSHA_RO") and len(args) > 1:
             return args[1].lower() in shas
-        if op is Op.GROUP_COMMIT and name == b"SET" and len(args) > 1:
+        if op is Op.COMMIT_LOCK and name == b"SET" and len(args) > 1:
             return args[1].startswith(b"rmq:lock:") and args[1].endswith(b":ledger-commit")
         return False
 

@@ -24,9 +24,7 @@ TIMEOUT_S = 0.4
 
 def _client(proxy: FaultProxy) -> redis.Redis:
     """A client that does not retry, so the fault shows as it is."""
-    return redis.Redis.from_url(
-        proxy.url(socket_timeout=TIMEOUT_S), retry=Retry(NoBackoff(), 0)
-    )
+    return redis.Redis.from_url(proxy.url(socket_timeout=TIMEOUT_S), retry=Retry(NoBackoff(), 0))
 
 
 def _incr(args: Sequence[bytes]) -> bool:
@@ -45,7 +43,7 @@ def _incr(args: Sequence[bytes]) -> bool:
         (Fault.RESET, False, redis.ConnectionError, False),
     ],
 )
-def test_a_fault_hits_the_matched_command_only(
+def test_a_fault_hits_the_matched_command_only(  # noqa: PLR0917 (fixtures and parameters)
     proxy: FaultProxy,
     real_redis: redis.Redis,
     fault: Fault,
