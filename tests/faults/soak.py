@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -516,11 +517,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seeds: {' '.join(map(str, seeds))}", flush=True)
     failed = []
     for seed in seeds:
-        report = run_seed(
-            seed, args.messages, consumers=args.consumers, say=lambda s: print(s, flush=True)
-        )
-        if not report.ok:
+        base = Path(tempfile.mkdtemp(prefix=f"idem-soak-{seed}-"))
+        report = run_seed(seed, args.messages, consumers=args.consumers, base=base, say=_say)
+        if report.ok:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
             failed.append(seed)
+            print(f"seed={seed}: logs, sink and tables kept in {base}", flush=True)
     if failed:
         print(f"FAILED seeds: {' '.join(map(str, failed))}")
         return 1
