@@ -30,9 +30,9 @@ pytestmark = pytest.mark.faults
 
 WRITER = Path(__file__).with_name("ledger_writer.py")
 WRITERS = 8
-KEYS = 160
+KEYS = 120
 BATCHES = 2
-BATCH = 30
+BATCH = 24
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["leases", "no-leases"])
