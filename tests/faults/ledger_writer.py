@@ -1,8 +1,8 @@
 """One of many concurrent ledger writers: ``python ledger_writer.py '<spec>'``.
 
-Waits for the ``go`` file (so every writer starts at once), then claims and commits
-its batches of keys under its own owner, one Delta commit per batch
-(``txnVersion`` = the batch's number). A key busy under another writer's lease is
+Says it is ready (its ``ready`` file), waits for the ``go`` file (so every writer starts
+at once), then claims and commits its batches of keys under its own owner, one Delta
+commit per batch (``txnVersion`` = the batch's number). A key busy under another writer's lease is
 tried again in a later round; a commit that raised is tried again with the same
 ``txnVersion`` (a replay adds nothing the first attempt wrote). Writes a JSON
 report: the keys each commit inserted, found already there (slipped), or found
@@ -33,6 +33,7 @@ def main() -> None:
     owner: str = spec["owner"]
     hold: bool = spec["hold"]
     go = Path(spec["go"])
+    Path(spec["ready"]).touch()
     while not go.exists():
         time.sleep(0.01)
     inserted: list[str] = []

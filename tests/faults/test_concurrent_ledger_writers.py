@@ -22,6 +22,7 @@ import pytest
 import redis
 from checks import ledger_keys, ledger_owners
 from seeds import Seed
+from waiting import eventually
 
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
@@ -54,10 +55,12 @@ def test_eight_writers_on_overlapping_keys_leave_each_key_once_and_lose_no_commi
             "hold": hold,
             "go": str(go),
             "report": str(reports[n]),
+            "ready": str(tmp_path / f"w{n}.ready"),
             "batches": [seed.rng.sample(universe, BATCH) for _ in range(BATCHES)],
         }
         procs.append(subprocess.Popen([sys.executable, str(WRITER), json.dumps(spec)]))
-    time.sleep(2.0)  # let the interpreters load before the start signal
+    ready = [tmp_path / f"w{n}.ready" for n in range(WRITERS)]
+    eventually(lambda: all(r.exists() for r in ready), timeout=120, what="every writer loaded")
     started = time.monotonic()
     go.touch()
     try:
