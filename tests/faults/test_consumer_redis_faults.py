@@ -111,7 +111,7 @@ def test_every_fault_during_an_operation_loses_and_repeats_nothing(
         f"ledger: {sorted(k for k, n in in_ledger.items() if n != 1)} not once"
     )
     assert dead == 0, seed.tag(f"{dead} dead letters")
-    assert [i.fault for i in proxy.injected] == faults
+    assert [i.fault for i in proxy.injected] == faults, seed.tag("each fault injected once")
 
 
 def test_the_acknowledgement_check_sees_an_offset_persisted_past_an_unrecorded_message(
