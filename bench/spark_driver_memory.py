@@ -111,15 +111,24 @@ def write_batch(directory: Path, rows: int, *, chunk: int = 100_000) -> None:
 # -- one driver --------------------------------------------------------------------------------
 
 
-def short_error(exc: BaseException) -> str:
-    """The line of a (Spark) error that says what went wrong."""
-    text = f"{type(exc).__name__}: {exc}"
+TELLING = ("maxResultSize", "OutOfMemoryError", "Java heap space", "Killed", "Caused by")
+"""What the line of a driver's error or log that says what went wrong contains."""
+
+
+def telling_line(text: str) -> str | None:
+    """The first line of ``text`` that says what went wrong (see :data:`TELLING`)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for needle in ("maxResultSize", "OutOfMemoryError", "Java heap space", "Caused by"):
+    for needle in TELLING:
         for line in lines:
             if needle in line:
                 return line[:400]
-    return lines[0][:400] if lines else type(exc).__name__
+    return None
+
+
+def short_error(exc: BaseException) -> str:
+    """The line of a (Spark) error that says what went wrong."""
+    text = f"{type(exc).__name__}: {exc}"
+    return telling_line(text) or text.strip().splitlines()[0][:400]
 
 
 def make_sink(config: str, root: Path, server: Any) -> Any:
@@ -221,10 +230,18 @@ def measure(config: str, source: Path, root: Path, timeout: float) -> dict[str, 
     )
     result["peaks"] = peaks
     result["returncode"] = proc.returncode
-    if result["status"] != "ok" and "error" not in result:
-        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        why = "timed out" if time.monotonic() - started > timeout else "died"
-        result["error"] = f"driver {why} (exit {proc.returncode}): " + (tail[-1] if tail else "")
+    if result["status"] != "ok":
+        # A JVM that died leaves Python only a refused py4j connection: its log says why.
+        text = log.read_text(errors="replace")
+        tail = [line for line in text.splitlines() if line.strip()]
+        if "error" not in result:
+            why = "timed out" if time.monotonic() - started > timeout else "died"
+            result["error"] = f"driver {why} (exit {proc.returncode})" + (
+                f": {tail[-1]}" if tail else ""
+            )
+        cause = telling_line(text)
+        if cause and cause not in result["error"]:
+            result["error"] += f"; the driver's log: {cause}"
     return result
 
 
@@ -233,7 +250,10 @@ def describe(config: str, rows: int, result: Mapping[str, Any]) -> str:
     peaks = result["peaks"]
     head = f"  {config:<25} {rows:>9,} rows: "
     if result["status"] != "ok":
-        return head + f"FAILED: {result.get('error', '')}"
+        return head + (
+            f"FAILED (driver peak before it failed {peaks['driver'] / MIB:.0f} MiB, JVM RSS "
+            f"{peaks['jvm'] / MIB:.0f}): {result.get('error', '')}"
+        )
     return head + (
         f"peak {peaks['driver'] / MIB:6.0f} MiB (Python {peaks['python'] / MIB:.0f} + JVM RSS "
         f"{peaks['jvm'] / MIB:.0f}; JVM heap peak {result['heap_peak'] / MIB:.0f} of "
@@ -249,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per driver")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory (and the drivers' logs)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--source", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
@@ -286,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = measure(config, root / f"in-{rows}", run_root, args.timeout)
                 results[config, rows] = result
                 print(describe(config, rows, result), flush=True)
-                shutil.rmtree(run_root, ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(run_root, ignore_errors=True)
         print_summary(results, configs, sizes)
     finally:
         if not args.keep:
