@@ -362,8 +362,8 @@ def ratio_line(label: str, value: float | None, target: str, met: bool | None) -
     """One ratio with its target and whether it was met."""
     if value is None:
         return f"  {label}: n/a"
-    verdict = "" if met is None else (" met" if met else " NOT met")
-    return f"  {label}: {value:.2f}x [target {target}:{verdict}]"
+    verdict = "" if met is None else (": met" if met else ": NOT met")
+    return f"  {label}: {value:.2f}x [target {target}{verdict}]"
 
 
 def median_of(result: Mapping[str, Any] | None) -> float | None:
