@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,11 @@ def buckets_of(keys: pa.Array, buckets: int) -> pa.Array:
     return pa.array([crc(k.encode()) % buckets for k in keys.to_pylist()], pa.int32())
 
 
+ExtraColumns = Callable[[int, int], Mapping[str, pa.Array]]
+"""``extra(start, count)``: user columns for the rows of key numbers ``start`` onwards,
+written next to the ledger's (a sink table that is its own ledger)."""
+
+
 FRESH_START = 1 << 39
 """Key numbers from here on are never written by :func:`build_ledger` (it stays below)."""
 
@@ -89,8 +94,10 @@ def ledger_chunk(
     pool: pa.Array,
     batch_id: int,
     prefix: str = "ORDER_",
+    extra: ExtraColumns | None = None,
 ) -> pa.Table:
-    """``count`` ledger rows with keys numbered from ``start`` completed at ``times_ms``."""
+    """``count`` ledger rows with keys numbered from ``start`` completed at ``times_ms``
+    (and the ``extra`` user columns of those keys)."""
     keys = key_strings(start, count, prefix=prefix)
     picks = pa.array(rng.integers(0, len(pool), size=(2, count)).reshape(-1))
     hexes = pool.take(picks)
@@ -112,7 +119,10 @@ def ledger_chunk(
         "completed_date": pc.cast(completed_at, pa.date32()),
         "result": pa.nulls(count, pa.string()),
     }
-    return pa.table(columns, schema=LEDGER_SCHEMA)
+    table = pa.table(columns, schema=LEDGER_SCHEMA)
+    for name, values in (extra(start, count) if extra else {}).items():
+        table = table.append_column(name, values)
+    return table
 
 
 def build_ledger(
@@ -128,6 +138,7 @@ def build_ledger(
     recent_span_ms: int = 12 * HOUR_MS,
     recent_gap_ms: int = 10 * 60_000,
     seed: int = 7,
+    extra: ExtraColumns | None = None,
 ) -> LedgerInfo:
     """Write an ``n_keys`` ledger at ``path`` (which must not exist yet).
 
@@ -137,7 +148,7 @@ def build_ledger(
     own commit and files. The rest are spread evenly over ``days`` before
     that and written one day at a time, i.e. one file per ``(bucket, date)``
     partition, as a compacted ledger would be. ``now_ms`` defaults to the
-    wall clock.
+    wall clock. ``extra`` adds user columns to every row (a Delta sink table).
     """
     if now_ms is None:
         now_ms = time.time_ns() // 1_000_000
@@ -165,6 +176,7 @@ def build_ledger(
             rng=rng,
             pool=pool,
             batch_id=batch_id,
+            extra=extra,
         )
         _write(path, chunk)
         written += len(segment)
@@ -184,6 +196,7 @@ def build_ledger(
             rng=rng,
             pool=pool,
             batch_id=10_000 + i,
+            extra=extra,
         )
         _write(path, chunk)
         written += count

@@ -1,392 +1,529 @@
-"""Per-batch time of the decorated Delta sink against what users would do without idem.
+"""idem's Delta sink per micro-batch, on each ledger engine, against what users do without it.
 
-One local Spark session (local[2]), one stream of 100k-row batches (parquet
-files read with ``maxFilesPerTrigger=1``), a sink table / ledger that already
-holds 1M keys, and five ways to write each batch, each its own streaming query
-over the same files:
+    python bench/spark_batch.py            # 100k- and 1M-row batches; tables of 1M and 10M keys
+    python bench/spark_batch.py --quick    # tiny sizes: a smoke run of every variant
+    python bench/spark_batch.py --rows 100000 --table-keys 1000000 --masters 'local[2]'
 
-  plain      foreachBatch -> delta-rs append (no dedup at all: the baseline)
-  decorated  foreachBatch = ``ExactlyOnce(sink_table=...)`` (claims in a real
-             redis-server, the sink table is the ledger, one Delta commit)
-  merge      foreachBatch -> delta-rs insert-only MERGE on the key into a
-             1M-key table (dedup against the table, no Redis)
-  dropdup    foreachBatch -> ``dropDuplicates([key])`` inside the batch, then
-             append (in-batch dedup only; forgets everything between batches)
-  watermark  Spark's stateful ``dropDuplicatesWithinWatermark`` on the stream,
-             then append (state in the checkpoint; forgets on a lost checkpoint
-             and knows nothing of retries)
+One stream per batch size (parquet files read with ``maxFilesPerTrigger=1``, one
+file per micro-batch) is written into a sink table that already holds
+``--table-keys`` keys, five ways, each its own streaming query over the same files:
 
-Every batch has 1 % in-batch duplicates and 1 % keys the 1M table already
-holds. The time per batch is Spark's ``triggerExecution`` of the batch (read,
-plan, sink, commit), the median over the batches after a warm-up batch.
+  idem/delta-spark  ``idem.spark.delta_sink`` with ``engine=delta-spark``
+  idem/delta-rs     ``idem.spark.delta_sink`` with ``engine=delta-rs``
+  append            a plain Delta append with ``txnAppId``/``txnVersion`` (no dedup:
+                    redeliveries land twice; the floor a sink can reach)
+  merge             the canonical dedup: the batch without its in-batch repeats, then
+                    ``MERGE INTO t USING batch s ON t.key = s.key WHEN NOT MATCHED
+                    THEN INSERT *`` (delta-spark, in ``foreachBatch``)
+  watermark         ``withWatermark("ts", "10 minutes")`` and
+                    ``dropDuplicatesWithinWatermark([key])``, then the same append
 
-The variants run in interleaved rounds (``--rounds``, default 3): each round
-streams new files (new keys) through every variant in turn, so a slow spell of a
-shared machine falls on every variant alike instead of on whichever ran then.
-A ratio to ``plain`` is taken within each round; the verdicts use the median of
-the rounds and say in how many rounds each target held. Targets: decorated <=
-2x plain, and faster than ``watermark``.
+Every batch holds ``--duplicates`` (default 30 %) redelivered rows, in equal
+parts: repeats of a key within the batch, keys of the previous batch, and keys
+the table held before the stream started. A redelivered row carries its
+original payload and event time. idem's table is its own ledger, so it is
+pre-filled as a ledger (its rows' fingerprints are not those of the stream's
+payloads: the run uses ``mismatch_policy=accept``); the other variants'
+tables hold the same keys as plain rows.
 
-    python bench/spark_batch.py [--rows 100000] [--batches 6] [--ledger-keys 1000000] [--rounds 3]
+Per variant: each batch's ``triggerExecution`` (read, plan, sink, commit) with
+its median over the batches after the first (which pays for the JIT and, for
+idem, for loading the table's keys into Redis); the driver's CPU per batch
+(this process and its children: the JVM, Spark's Python workers) and
+redis-server's; the driver's peak memory (Python RSS + JVM heap used); for
+idem, its steps (``BatchOutcome.timings``) and its per-key work: the claim and
+verdict steps' time per row. Each ``--masters`` entry is its own driver
+process; the masters after the first run the idem variants only, for the
+per-key work's scaling.
+
+Ratios, each against the same table and batch size: merge / idem (target >= 3x
+at 10M keys, growing with the table), watermark / idem (>= 1x), idem / append
+(<= 2x), and idem's per-key work on local[1] / local[2] (>= 1.6x).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from deltalake import DeltaTable, write_deltalake
+from deltalake import write_deltalake
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-from _cpu import cpu_seconds, stat_fields
-from _ledger_fixture import build_ledger, fresh_keys, key_strings
+from _ledger_fixture import _MULTIPLIER, FRESH_START, build_ledger  # noqa: E402
+from _spark import MIB, CpuMeter, delta_session, driver_peak  # noqa: E402
 
-from idem.config import IdemConfig
-from idem.ledger import read_table
-from idem.redis_server import RedisServer
-from idem.spark.decorator import ExactlyOnce
-from idem.spark.session import local_session
+from idem.config import IdemConfig, LedgerEngine, MismatchPolicy  # noqa: E402
+from idem.redis_server import RedisServer  # noqa: E402
 
 KEY = "order_id"
+IDEM_VARIANTS = ("idem/delta-spark", "idem/delta-rs")
+VARIANTS = (*IDEM_VARIANTS, "append", "merge", "watermark")
+PER_KEY_STEPS = ("claim", "verdict", "verdicts")
+"""Steps of ``BatchOutcome.timings`` that are idem's per-key work (those present count)."""
+EPOCH = np.datetime64("2024-05-01T10:00:00", "s")
+PREFILL_EPOCH = np.datetime64("2024-04-30T10:00:00", "s")
 
 
-def write_batches(
-    directory: Path, *, rows: int, batches: int, ledger_keys: int, first: int = 0
-) -> None:
-    """``batches`` parquet files of ``rows`` orders: new keys, 1 % repeats, 1 % old keys.
-    ``first``: the number of batches written before (by earlier rounds), whose keys
-    these must not repeat."""
+# -- the data ---------------------------------------------------------------------------------
+
+
+def keys_of(numbers: np.ndarray) -> pa.Array:
+    """The business keys of key numbers (the ledger fixture's numbering)."""
+    ids = (numbers.astype(np.uint64) * np.uint64(_MULTIPLIER)) % np.uint64(1 << 40)
+    return pc.binary_join_element_wise("ORDER_", pa.array(ids).cast(pa.string()), "")
+
+
+def payload(numbers: np.ndarray, origin: np.ndarray) -> dict[str, pa.Array]:
+    """The rows of key numbers, first sent in batch ``origin`` (-1: before the stream):
+    a redelivered row has the payload and event time of its first delivery."""
+    seconds = np.where(origin < 0, numbers % 3600, origin * 60 + numbers % 59)
+    epoch = np.where(origin < 0, PREFILL_EPOCH, EPOCH)
+    times = (epoch + seconds.astype("timedelta64[s]")).astype("datetime64[us]")
+    customers = pc.binary_join_element_wise("C", pa.array(numbers % 997).cast(pa.string()), "")
+    return {
+        KEY: keys_of(numbers),
+        "amount": pa.array(1 + (numbers % 49_999) / 100.0),
+        "customer": customers,
+        "ts": pa.array(times, pa.timestamp("us", tz="UTC")),
+    }
+
+
+def prefill_columns(start: int, count: int) -> dict[str, pa.Array]:
+    """The user columns of the table's pre-filled keys (numbers ``start`` onwards)."""
+    numbers = np.arange(start, start + count, dtype=np.int64)
+    return payload(numbers, np.full(count, -1))
+
+
+def write_stream(
+    directory: Path, *, rows: int, batches: int, duplicates: float, old_keys: int, offset: int
+) -> int:
+    """``batches`` parquet files of ``rows`` rows; return the new keys per batch."""
     directory.mkdir(parents=True)
-    rng = np.random.default_rng(3 + first)
-    base = np.datetime64("2024-05-01T10:00:00", "us")
+    rng = np.random.default_rng(offset % 1000 + 3)
+    redelivered = int(rows * duplicates)
+    third = redelivered // 3
+    new = rows - redelivered
+    first = FRESH_START + offset
     for b in range(batches):
-        new = fresh_keys(rows, round_=first + b)
-        dup = max(1, rows // 100)
-        old = (
-            key_strings(0, ledger_keys)
-            .take(pa.array(rng.integers(0, ledger_keys, size=dup)))
-            .to_pylist()
+        fresh = np.arange(first + b * new, first + (b + 1) * new, dtype=np.int64)
+        repeats = rng.choice(fresh, size=third)
+        if b:
+            previous = rng.choice(fresh - new, size=third)
+        else:
+            previous = rng.integers(0, old_keys, size=third)
+        old = rng.integers(0, old_keys, size=redelivered - 2 * third)
+        numbers = np.concatenate([fresh, repeats, previous, old])
+        origin = np.concatenate(
+            [
+                np.full(new + third, b),
+                np.full(third, b - 1 if b else -1),
+                np.full(len(old), -1),
+            ]
         )
-        keys = new[: rows - 2 * dup] + new[:dup] + old  # in-batch repeats and old keys
-        times = (
-            base
-            + np.timedelta64((first + b) * 60, "s")
-            + rng.integers(0, 59_000_000, size=rows).astype("timedelta64[us]")
-        )
-        table = pa.table(
-            {
-                KEY: pa.array(keys, pa.string()),
-                "amount": pa.array(rng.uniform(1, 500, size=rows)),
-                "customer": pa.array([f"C{i % 997}" for i in range(rows)], pa.string()),
-                "ts": pa.array(times, pa.timestamp("us", tz="UTC")),
-            }
-        )
+        order = rng.permutation(rows)
+        table = pa.table(payload(numbers[order], origin[order]))
         pq.write_table(table, directory / f"batch-{b:03d}.parquet")
+    return new
 
 
-def run_query(
-    spark: Any,
-    source: Path,
-    checkpoint: Path,
-    sink: Callable[[Any, int], None],
-    *,
-    watermark: bool = False,
-    cpu: CpuMeter | None = None,
-) -> list[float]:
-    """Stream ``source`` through ``sink``; return each batch's triggerExecution in seconds.
-    ``cpu`` starts counting when the second batch begins (the first pays for warm-ups)."""
+def write_plain_table(path: Path, keys: int) -> None:
+    """The baselines' table: the same keys and columns as idem's, no ledger columns."""
+    chunk = 1_000_000
+    for start in range(0, keys, chunk):
+        count = min(chunk, keys - start)
+        write_deltalake(str(path), pa.table(prefill_columns(start, count)), mode="append")
+
+
+def linked_copy(source: Path, target: Path) -> Path:
+    """A hard-link copy of a local table: Delta never rewrites a file, so runs stay apart."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(source, target, copy_function=os.link)
+    return target
+
+
+# -- the sinks ---------------------------------------------------------------------------------
+
+Sink = Callable[[Any, int], None]
+
+
+def append_to(path: Path, app_id: str) -> Sink:
+    """A Delta append that Spark's replay of a batch does not repeat (txnAppId/txnVersion)."""
+
+    def sink(df: Any, batch_id: int) -> None:
+        (
+            df.write.format("delta")
+            .mode("append")
+            .option("txnAppId", app_id)
+            .option("txnVersion", batch_id)
+            .save(str(path))
+        )
+
+    return sink
+
+
+def merge_into(path: Path) -> Sink:
+    """The insert-only MERGE on the key, of the batch without its in-batch repeats."""
+
+    def sink(df: Any, batch_id: int) -> None:
+        df.dropDuplicates([KEY]).createOrReplaceTempView("batch")
+        df.sparkSession.sql(
+            f"MERGE INTO delta.`{path}` t USING batch s ON t.{KEY} = s.{KEY} "
+            "WHEN NOT MATCHED THEN INSERT *"
+        )
+
+    return sink
+
+
+class IdemSink:
+    """``idem.spark.delta_sink`` on one engine, keeping each batch's outcome."""
+
+    def __init__(self, path: Path, engine: str, server: RedisServer, data_dir: Path) -> None:
+        from idem.spark import delta_sink
+
+        config = IdemConfig(
+            group="bench",
+            redis_url=server.url,
+            data_dir=str(data_dir),
+            buckets=16,
+            engine=LedgerEngine(engine),
+            mismatch_policy=MismatchPolicy.ACCEPT,
+        )
+        self.sink = delta_sink(str(path), key=KEY, config=config, client=server.client())
+        self.outcomes: list[Any] = []
+
+    def __call__(self, df: Any, batch_id: int) -> None:
+        self.sink(df, batch_id)
+        self.outcomes.append(self.sink.last_outcome)
+
+
+# -- one variant -------------------------------------------------------------------------------
+
+
+def run_query(spark: Any, source: Path, checkpoint: Path, sink: Sink, *, watermark: bool) -> Any:
+    """Stream ``source`` through ``sink``, one file per batch, until it is all read."""
     schema = spark.read.parquet(str(source)).schema
     stream = spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(str(source))
     if watermark:
         stream = stream.withWatermark("ts", "10 minutes").dropDuplicatesWithinWatermark([KEY])
-
-    def counted(df: Any, batch_id: int) -> None:
-        if cpu is not None and batch_id == 1:
-            cpu.start()
-        sink(df, batch_id)
-
     query = (
-        stream.writeStream.foreachBatch(counted)
+        stream.writeStream.foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
         .start()
     )
     query.awaitTermination()
-    if cpu is not None:
-        cpu.stop(batches=len(query.recentProgress) - 1)
-    return [p["durationMs"]["triggerExecution"] / 1000 for p in query.recentProgress]
+    return query
 
 
-class CpuMeter:
-    """CPU seconds per batch of this process, its Spark JVM and redis-server (Linux /proc)."""
+def run_variant(
+    spark: Any, spec: Mapping[str, Any], server: RedisServer, *, variant: str, keys: int, rows: int
+) -> dict[str, Any]:
+    """One variant over the stream of ``rows``-row batches into the ``keys``-key table."""
+    root = Path(spec["root"])
+    master = spec["master"]
+    name = f"{variant.replace('/', '-')}-{keys}-{rows}-{''.join(c for c in master if c.isalnum())}"
+    base = root / (f"ledger-{keys}" if variant in IDEM_VARIANTS else f"plain-{keys}")
+    table = linked_copy(base, root / "run" / name)
+    sink: Sink
+    idem: IdemSink | None = None
+    if variant in IDEM_VARIANTS:
+        server.client().flushall()  # each idem run loads the table's keys afresh
+        idem = IdemSink(table, variant.split("/")[1], server, root / "run" / f"{name}-idem")
+        sink = idem
+    elif variant == "merge":
+        sink = merge_into(table)
+    else:
+        sink = append_to(table, name)
 
-    def __init__(self, redis_pid: int | None) -> None:
-        me = os.getpid()
-        self.pids = {"python": me}
-        if redis_pid is not None:
-            self.pids["redis"] = redis_pid
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and entry.name != str(me):
-                with contextlib.suppress(OSError, IndexError):
-                    cmd = (entry / "cmdline").read_bytes()
-                    if b"java" in cmd and stat_fields(int(entry.name))[1] == str(me):
-                        self.pids["jvm"] = int(entry.name)
-        self._began: dict[str, float] = {}
-        self.per_batch: dict[str, float] = {}
+    cpu = CpuMeter(server.pid if idem else None)
+    began = [0.0]
 
-    def _now(self) -> dict[str, float]:
-        used = {name: cpu_seconds([pid]) for name, pid in self.pids.items()}
-        return {name: seconds for name, seconds in used.items() if seconds is not None}
+    def counted(df: Any, batch_id: int) -> None:
+        if batch_id == 1:  # batch 0 pays for warm-ups: count from the second batch on
+            cpu.start()
+            began[0] = time.perf_counter()
+        sink(df, batch_id)
 
-    def start(self) -> None:
-        """Count from now."""
-        self._began = self._now()
-
-    def stop(self, *, batches: int) -> None:
-        """Stop counting; ``per_batch`` holds each process's CPU seconds per batch."""
-        now = self._now()
-        self.per_batch = {
-            name: (now[name] - self._began[name]) / max(batches, 1)
-            for name in now
-            if name in self._began
-        }
-
-    def describe(self) -> str:
-        """One line: CPU seconds per batch by process, and the floor they set on 2 cores."""
-        if not self.per_batch:
-            return "CPU per batch: n/a"
-        total = sum(self.per_batch.values())
-        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.per_batch.items())
-        cores = os.cpu_count() or 1
-        return (
-            f"CPU s/batch: {parts} = {total:.2f} (at least {total / cores:.2f} s/batch "
-            f"on {cores} cores, however well they overlap)"
+    with driver_peak(spark) as peak:
+        query = run_query(
+            spark,
+            root / f"in-{rows}",
+            root / "run" / f"{name}-ck",
+            counted,
+            watermark=variant == "watermark",
         )
+    cpu.stop()
+    if idem is not None:
+        idem.sink.close()
+    # Only batches that read rows: the watermark query ends with a batch that only moves
+    # the watermark on.
+    times = [
+        p["durationMs"]["triggerExecution"] / 1000
+        for p in query.recentProgress
+        if p["numInputRows"]
+    ]
+    counted_batches = max(len(times) - 1, 1)
+    result: dict[str, Any] = {
+        "master": master,
+        "variant": variant,
+        "keys": keys,
+        "rows": rows,
+        "times": times,
+        "median": statistics.median(times[1:] or times),
+        "cpu": {k: v / counted_batches for k, v in cpu.seconds.items()},
+        "peak": peak,
+        "table_rows": spark.read.format("delta").load(str(table)).count(),
+        "each_key_once": keys + spec["batches"] * (rows - int(rows * spec["duplicates"])),
+    }
+    if idem is not None:
+        done = [o for o in idem.outcomes[1:] or idem.outcomes if o is not None and o.messages]
+        steps: dict[str, list[float]] = {}
+        for outcome in done:
+            for step, seconds in outcome.timings.items():
+                steps.setdefault(step, []).append(seconds)
+        result["steps"] = {s: statistics.median(v) for s, v in steps.items()}
+        per_key = [
+            sum(o.timings.get(s, 0.0) for s in PER_KEY_STEPS) / o.messages * 1e6 for o in done
+        ]
+        result["per_key_us"] = statistics.median(per_key) if per_key else None
+    shutil.rmtree(table, ignore_errors=True)
+    return result
 
 
-def append_to(path: Path) -> Callable[[Any, int], None]:
-    def sink(df: Any, batch_id: int) -> None:
-        write_deltalake(str(path), df.toArrow(), mode="append")
+def describe(result: Mapping[str, Any]) -> str:
+    """The lines printed for one variant's run."""
+    peak = result["peak"]
+    cpu = ", ".join(f"{k} {v:.2f}" for k, v in result["cpu"].items())
+    lines = [
+        f"  {result['variant']:<17} {result['median']:7.3f} s/batch "
+        f"(all: {', '.join(f'{t:.2f}' for t in result['times'])}); CPU s/batch: {cpu}; "
+        f"driver peak {peak['driver'] / MIB:.0f} MiB (Python {peak['python'] / MIB:.0f} + "
+        f"JVM heap {peak['jvm_heap'] / MIB:.0f}); table rows {result['table_rows']} "
+        f"(each key once: {result['each_key_once']})"
+    ]
+    if "steps" in result:
+        steps = ", ".join(f"{s} {v:.3f}" for s, v in result["steps"].items())
+        per_key = result["per_key_us"]
+        shown = "n/a" if per_key is None else f"{per_key:.2f} us"
+        lines.append(f"{'':20}steps (median s): {steps}; per-key work {shown}/row")
+    return "\n".join(lines)
 
-    return sink
+
+def worker(spec_path: Path, out: Path) -> int:
+    """The driver process of one master: every configuration and variant, results to ``out``."""
+    spec = json.loads(spec_path.read_text())
+    spark = delta_session(spec["master"])
+    server = RedisServer()
+    server.start()
+    results: list[dict[str, Any]] = []
+    try:
+        for keys in spec["table_keys"]:
+            for rows in spec["rows"]:
+                print(f"{spec['master']}: table of {keys} keys, batches of {rows} rows", flush=True)
+                for variant in spec["variants"]:
+                    try:
+                        result = run_variant(
+                            spark, spec, server, variant=variant, keys=keys, rows=rows
+                        )
+                    except Exception as exc:  # one variant's failure is reported, not fatal
+                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                        print(f"  {variant:<17} FAILED: {type(exc).__name__}: {first}", flush=True)
+                        continue
+                    results.append(result)
+                    print(describe(result), flush=True)
+                    out.write_text(json.dumps(results))
+    finally:
+        server.stop()
+        spark.stop()
+    return 0
 
 
-def dropdup_to(path: Path) -> Callable[[Any, int], None]:
-    def sink(df: Any, batch_id: int) -> None:
-        write_deltalake(str(path), df.dropDuplicates([KEY]).toArrow(), mode="append")
-
-    return sink
+# -- the run -----------------------------------------------------------------------------------
 
 
-def merge_into(path: Path) -> Callable[[Any, int], None]:
-    def sink(df: Any, batch_id: int) -> None:
-        source = df.dropDuplicates([KEY]).toArrow()
-        (
-            DeltaTable(str(path))
-            .merge(source, predicate=f"t.{KEY} = s.{KEY}", source_alias="s", target_alias="t")
-            .when_not_matched_insert_all()
-            .execute()
+def ratio_line(label: str, value: float | None, target: str, met: bool | None) -> str:
+    """One ratio with its target and whether it was met."""
+    if value is None:
+        return f"  {label}: n/a"
+    verdict = "" if met is None else (": met" if met else ": NOT met")
+    return f"  {label}: {value:.2f}x [target {target}{verdict}]"
+
+
+def median_of(result: Mapping[str, Any] | None) -> float | None:
+    """A run's median seconds per batch (``None``: not run, or failed)."""
+    return None if result is None else float(result["median"])
+
+
+def print_ratios(results: list[dict[str, Any]], masters: list[str]) -> None:
+    """The targets' ratios per table size and batch size."""
+    by = {(r["master"], r["variant"], r["keys"], r["rows"]): r for r in results}
+    first = masters[0]
+    sizes = sorted({r["keys"] for r in results})
+    batch_sizes = sorted({r["rows"] for r in results})
+    print("\nratios (median s/batch of the same table and batch size):")
+    for engine in IDEM_VARIANTS:
+        print(f"{engine}:")
+        for rows in batch_sizes:
+            merge_ratios: list[float] = []
+            for keys in sizes:
+                idem = by.get((first, engine, keys, rows))
+                if idem is None:
+                    continue
+                tag = f"{keys:>10,} keys, {rows:>9,} rows"
+
+                merge, watermark, append = (
+                    median_of(by.get((first, variant, keys, rows)))
+                    for variant in ("merge", "watermark", "append")
+                )
+                mine = float(idem["median"])
+                if merge is not None:
+                    merge_ratios.append(merge / mine)
+                big = keys == sizes[-1]
+                print(
+                    ratio_line(
+                        f"{tag}: merge / idem",
+                        None if merge is None else merge / mine,
+                        f">= 3x at the largest table ({sizes[-1]:,} keys)",
+                        None if merge is None or not big else merge / mine >= 3,
+                    )
+                )
+                print(
+                    ratio_line(
+                        f"{tag}: watermark / idem",
+                        None if watermark is None else watermark / mine,
+                        ">= 1x",
+                        None if watermark is None else watermark / mine >= 1,
+                    )
+                )
+                print(
+                    ratio_line(
+                        f"{tag}: idem / append",
+                        None if append is None else mine / append,
+                        "<= 2x",
+                        None if append is None else mine / append <= 2,
+                    )
+                )
+                for master in masters[1:]:
+                    slow = by.get((master, engine, keys, rows))
+                    fast_us, slow_us = idem.get("per_key_us"), (slow or {}).get("per_key_us")
+                    value = None if not fast_us or not slow_us else slow_us / fast_us
+                    print(
+                        ratio_line(
+                            f"{tag}: per-key work {master} / {first}",
+                            value,
+                            ">= 1.6x",
+                            None if value is None else value >= 1.6,
+                        )
+                    )
+            if len(merge_ratios) > 1:
+                widening = all(b > a for a, b in itertools.pairwise(merge_ratios))
+                shown = " -> ".join(f"{r:.2f}x" for r in merge_ratios)
+                print(
+                    f"  {rows:>9,} rows: merge / idem as the table grows: {shown} "
+                    f"[target: widening:{' met' if widening else ' NOT met'}]"
+                )
+
+
+def prepare(root: Path, args: argparse.Namespace) -> None:
+    """The streams and the pre-filled tables (no Spark)."""
+    started = time.monotonic()
+    for index, rows in enumerate(args.rows):
+        write_stream(
+            root / f"in-{rows}",
+            rows=rows,
+            batches=args.batches,
+            duplicates=args.duplicates,
+            old_keys=min(args.table_keys),
+            offset=index << 34,
         )
-
-    return sink
-
-
-def seed_table(path: Path, ledger_keys: int) -> None:
-    """A plain 1M-row orders table for the MERGE baseline (same keys as the ledger)."""
-    chunk = 500_000
-    rng = np.random.default_rng(5)
-    for start in range(0, ledger_keys, chunk):
-        n = min(chunk, ledger_keys - start)
-        write_deltalake(
-            str(path),
-            pa.table(
-                {
-                    KEY: key_strings(start, n),
-                    "amount": pa.array(rng.uniform(1, 500, size=n)),
-                    "customer": pa.array([f"C{i % 997}" for i in range(n)], pa.string()),
-                    "ts": pa.array(
-                        np.full(n, np.datetime64("2024-04-30T10:00:00", "us")),
-                        pa.timestamp("us", tz="UTC"),
-                    ),
-                }
-            ),
-            mode="append",
-        )
+    for keys in args.table_keys:
+        build_ledger(str(root / f"ledger-{keys}"), keys, group="bench", extra=prefill_columns)
+        write_plain_table(root / f"plain-{keys}", keys)
+    print(f"streams and tables written in {time.monotonic() - started:.0f} s", flush=True)
 
 
-class DecoratedSink:
-    """The decorated Delta sink, timing its steps and, inside the commit, the ledger MERGE."""
-
-    def __init__(self, sink: ExactlyOnce) -> None:
-        self.sink = sink
-        self.steps: dict[str, list[float]] = {}
-        self.merges: list[float] = []
-        ledger = sink.dedup.ledger
-        self._ledger_commit = ledger.commit
-        ledger.commit = self._timed_ledger_commit  # type: ignore[method-assign]
-
-    def _timed_ledger_commit(self, *args: Any, **kwargs: Any) -> Any:
-        # The rows and their done-record in one MERGE; the rest of the commit step
-        # updates the Redis index.
-        started = time.perf_counter()
-        try:
-            return self._ledger_commit(*args, **kwargs)
-        finally:
-            self.merges.append(time.perf_counter() - started)
-
-    def __call__(self, df: Any, batch_id: int) -> None:
-        outcome = self.sink.process(df, batch_id)
-        for step, seconds in outcome.timings.items():
-            self.steps.setdefault(step, []).append(seconds)
-
-    def print_steps(self) -> None:
-        """Median seconds per step, after the first batch."""
-        if not self.steps:
-            return
-        steps = ", ".join(f"{s} {statistics.median(v[1:] or v):.3f}" for s, v in self.steps.items())
-        merge = statistics.median(self.merges[1:] or self.merges) if self.merges else 0.0
-        print(
-            f"             inside the decorator (median s): {steps} "
-            f"(of the commit: ledger MERGE {merge:.3f})",
-            flush=True,
-        )
-
-
-def print_ratios(rounds: list[dict[str, float]]) -> None:
-    """The ratios to the plain append (per round, then their median), and the two targets."""
-    names = list(rounds[0])
-    print(
-        f"\nper-batch time (median of {len(rounds)} round(s)), ratio to the plain delta-rs "
-        "append of the same round:"
-    )
-    for name in names:
-        seconds = [r[name] for r in rounds]
-        ratios = [r[name] / r["plain"] for r in rounds]
-        spread = ", ".join(f"{x:.2f}x" for x in ratios)
-        print(
-            f"  {name:<10} {statistics.median(seconds):7.3f} s   "
-            f"{statistics.median(ratios):5.2f}x   (rounds: {spread})"
-        )
-    if "decorated" not in names or "watermark" not in names:
-        return
-    ratio = statistics.median(r["decorated"] / r["plain"] for r in rounds)
-    within = sum(r["decorated"] <= 2 * r["plain"] for r in rounds)
-    faster = sum(r["decorated"] < r["watermark"] for r in rounds)
-    decorated_t = statistics.median(r["decorated"] for r in rounds)
-    watermark_t = statistics.median(r["watermark"] for r in rounds)
-    print(
-        f"\ntargets: decorated <= 2x plain: {ratio:.2f}x "
-        f"[{'met' if ratio <= 2 else 'NOT met'}; held in {within} of {len(rounds)} rounds]; "
-        f"decorated faster than dropDuplicatesWithinWatermark: {decorated_t:.3f} s vs "
-        f"{watermark_t:.3f} s [{'met' if decorated_t < watermark_t else 'NOT met'}; "
-        f"held in {faster} of {len(rounds)} rounds]"
-    )
+def sizes(text: str) -> list[int]:
+    """A comma-separated list of counts."""
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--ledger-keys", type=int, default=1_000_000)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rows", type=sizes, default=[100_000, 1_000_000], help="rows per batch")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds of every variant (>= 1)"
+        "--table-keys", type=sizes, default=[1_000_000, 10_000_000], help="keys in the table"
     )
+    parser.add_argument("--batches", type=int, default=5, help="per stream (first: warm-up)")
+    parser.add_argument("--duplicates", type=float, default=0.3, help="redelivered share of rows")
+    parser.add_argument("--masters", default="local[2],local[1]", help="one driver process each")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    parser.add_argument(
-        "--only", help="comma-separated variants to run (plain is always run, as the baseline)"
-    )
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds: must be at least 1")
+    if args.worker is not None:
+        return worker(args.worker, args.out)
+    if args.quick:
+        args.rows, args.table_keys, args.batches = [3_000], [20_000, 60_000], 3
+    if args.batches < 2:
+        parser.error("--batches: at least 2 (the first is a warm-up)")
+    if not 0 <= args.duplicates < 1:
+        parser.error("--duplicates: a share from 0 to below 1")
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    masters = [m for m in args.masters.split(",") if m]
+    args.table_keys.sort()
 
     root = Path(tempfile.mkdtemp(prefix="idem-bench-spark-"))
-    server = RedisServer()
-    server.start()
+    results: list[dict[str, Any]] = []
     try:
-        started = time.monotonic()
-        for r in range(args.rounds):
-            write_batches(
-                root / f"in-{r}",
-                rows=args.rows,
-                batches=args.batches,
-                ledger_keys=args.ledger_keys,
-                first=r * args.batches,
-            )
-        sink_table = root / "decorated"
-        info = build_ledger(str(sink_table), args.ledger_keys, group="bench", buckets=16)
-        seed_table(root / "merge", args.ledger_keys)
+        prepare(root, args)
         print(
-            f"{args.rounds} round(s) of {args.batches} batches of {args.rows} rows; ledger/sink "
-            f"table with {info.keys} keys ({info.files} files); set up in "
-            f"{time.monotonic() - started:.0f} s",
+            f"{args.batches} batches per stream (the first is a warm-up), "
+            f"{args.duplicates:.0%} redelivered rows; cores: {os.cpu_count()}",
             flush=True,
         )
-        spark = local_session("idem-bench")
-        config = IdemConfig(
-            group="bench", redis_url=server.url, data_dir=str(root / "idem"), buckets=16
-        )
-        decorated = DecoratedSink(
-            ExactlyOnce(
-                None, config=config, key=KEY, client=server.client(), sink_table=str(sink_table)
-            )
-        )
-
-        variants: list[tuple[str, Callable[[Any, int], None], bool]] = [
-            ("plain", append_to(root / "plain"), False),
-            ("decorated", decorated, False),
-            ("merge", merge_into(root / "merge"), False),
-            ("dropdup", dropdup_to(root / "dropdup"), False),
-            ("watermark", append_to(root / "watermark"), True),
-        ]
-        if args.only:
-            wanted = {"plain", *args.only.split(",")}
-            variants = [v for v in variants if v[0] in wanted]
-        rounds: list[dict[str, float]] = []
-        for r in range(args.rounds):
-            print(f"round {r + 1} of {args.rounds}", flush=True)
-            results: dict[str, float] = {}
-            for name, sink, watermark in variants:
-                cpu = CpuMeter(server.pid)
-                times = run_query(
-                    spark,
-                    root / f"in-{r}",
-                    root / f"ck-{name}-{r}",
-                    sink,
-                    watermark=watermark,
-                    cpu=cpu,
-                )
-                steady = times[1:] or times  # batch 0 pays for the JIT, the Redis index, caches
-                results[name] = statistics.median(steady)
-                print(
-                    f"  {name:<10} median {results[name]:.3f} s/batch "
-                    f"(first {times[0]:.2f} s; all: {', '.join(f'{t:.2f}' for t in times)})\n"
-                    f"             {cpu.describe()}",
-                    flush=True,
-                )
-                if name == "decorated":
-                    decorated.print_steps()
-            rounds.append(results)
-        if "decorated" in rounds[0]:
-            counts = read_table(DeltaTable(str(sink_table)), ["key"]).num_rows
-            per_round = args.batches * (args.rows - 2 * max(1, args.rows // 100))
-            expected = info.keys + args.rounds * per_round
-            print(f"decorated sink table: {counts} rows (expected {expected}: each key once)")
-        print_ratios(rounds)
+        for index, master in enumerate(masters):
+            spec = {
+                "root": str(root),
+                "master": master,
+                "rows": args.rows,
+                "table_keys": args.table_keys,
+                "batches": args.batches,
+                "duplicates": args.duplicates,
+                "variants": variants if index == 0 else [v for v in variants if v in IDEM_VARIANTS],
+            }
+            spec_path, out = root / f"spec-{index}.json", root / f"result-{index}.json"
+            spec_path.write_text(json.dumps(spec))
+            command = [sys.executable, __file__, "--worker", str(spec_path), "--out", str(out)]
+            done = subprocess.run(command, check=False)
+            if done.returncode:
+                print(f"{master}: the driver process exited with {done.returncode}", flush=True)
+            if out.exists():
+                results += json.loads(out.read_text())
+        if results:
+            print_ratios(results, masters)
     finally:
-        server.stop()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     return 0
