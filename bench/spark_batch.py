@@ -383,8 +383,8 @@ def print_ratios(results: list[dict[str, Any]], masters: list[str]) -> None:
         for rows in batch_sizes:
             merge_ratios: list[float] = []
             for keys in sizes:
-                idem = by.get((first, engine, keys, rows))
-                if idem is None:
+                ours = by.get((first, engine, keys, rows))
+                if ours is None:
                     continue
                 tag = f"{keys:>10,} keys, {rows:>9,} rows"
 
@@ -392,7 +392,7 @@ def print_ratios(results: list[dict[str, Any]], masters: list[str]) -> None:
                     median_of(by.get((first, variant, keys, rows)))
                     for variant in ("merge", "watermark", "append")
                 )
-                mine = float(idem["median"])
+                mine = float(ours["median"])
                 if merge is not None:
                     merge_ratios.append(merge / mine)
                 big = keys == sizes[-1]
@@ -422,7 +422,7 @@ def print_ratios(results: list[dict[str, Any]], masters: list[str]) -> None:
                 )
                 for master in masters[1:]:
                     slow = by.get((master, engine, keys, rows))
-                    fast_us, slow_us = idem.get("per_key_us"), (slow or {}).get("per_key_us")
+                    fast_us, slow_us = ours.get("per_key_us"), (slow or {}).get("per_key_us")
                     value = None if not fast_us or not slow_us else slow_us / fast_us
                     print(
                         ratio_line(

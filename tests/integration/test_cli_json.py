@@ -38,6 +38,7 @@ CORE_COMMANDS = {
     "retry stats",
     "retry rebuild",
     "retry compact",
+    "retry audit",
     "acl user",
     "dlq ls",
     "dlq show",
@@ -123,6 +124,8 @@ def test_every_core_data_command_prints_one_json_document(
     assert run(["retry", "stats"])["redis"]["live"] == 3
     assert run(["retry", "compact"])["live"] == 3
     assert run(["retry", "rebuild"])["scheduled"] == 3
+    audit = run(["retry", "audit"])
+    assert (audit["retrying"], audit["retrying_and_dead"], audit["ok"]) == (3, [], True)
     snapshot = run(["stats"])
     assert snapshot["group"] == "orders"
     assert snapshot["retry"]["scheduled_by_level"] == {"18": 3}
