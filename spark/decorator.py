@@ -247,7 +247,6 @@ class ExactlyOnce:
             fn=self.fn,
             payload_columns=tuple(payload_columns),
             sink_columns=sink_columns,
-            sink_table=self.sink_table is not None,
             topic=self.topic,
             idempotency_column=self.idempotency_column,
             fingerprints=self.fingerprint,

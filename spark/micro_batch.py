@@ -104,7 +104,6 @@ class BatchSetup:
     sink_columns: tuple[str, ...]
     """The user's columns written into the Delta sink table (empty: no sink table, or
     no column but the key)."""
-    sink_table: bool
     topic: str
     idempotency_column: str | None
     fingerprints: bool
