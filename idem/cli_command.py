@@ -8,7 +8,8 @@ returns its exit code; an :class:`IdemError` it raises becomes one line naming t
 flag (see :func:`idem.cli_args.in_flags`) and the code of the table below.
 
 Exit codes, the same for every command: 0 done; 1 an idem error (the message says
-which) or, for ``ledger audit``, keys held more than once; 2 bad arguments or settings
+which) or, for ``ledger audit``, keys held more than once (``retry audit``: messages
+both retrying and dead); 2 bad arguments or settings
 (the message names the flag and the limit); 3 Redis unreachable or failing; 4 the
 exactly-once check failed (``demo``, ``run --check``); 130 interrupted.
 """
@@ -36,7 +37,8 @@ EXIT_CHECK_FAILED = 4
 EXIT_INTERRUPTED = 130
 
 EXIT_CODES = (
-    "Exit codes: 0 done; 1 an idem error (ledger audit: keys held more than once); "
+    "Exit codes: 0 done; 1 an idem error (ledger audit: keys held more than once; "
+    "retry audit: messages both retrying and dead); "
     "2 bad arguments or settings; 3 Redis unreachable; 4 the exactly-once check failed; "
     "130 interrupted."
 )
