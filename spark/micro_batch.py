@@ -317,8 +317,7 @@ class MicroBatch:
         """Give back every claim of the batch (it is abandoned)."""
         if not claimed.claimed or not self.setup.hold:
             return
-        rows = claimed.fresh.select(KEY_COLUMN, BUCKET_COLUMN).toArrow()
-        keys = rows.column(0).to_pylist()
+        keys = claimed.fresh.select(KEY_COLUMN).toArrow().column(0).to_pylist()
         self.setup.dedup.hot.release(
             group_by_bucket(keys, self.setup.dedup.config.buckets), self.owner
         )
@@ -536,10 +535,10 @@ class MicroBatch:
             table_types=ledger.column_types() if s.sink_columns else None,
             fingerprints=s.fingerprints,
         )
-        rows = ledger_frame(accepted, task)
+        # Kept: the commit, the index update and the applied sample all read these rows.
+        rows = ledger_frame(accepted, task).persist(StorageLevel.MEMORY_AND_DISK)
         misfits: dict[str, str] = {}
         if s.sink_columns:
-            rows = rows.persist(StorageLevel.MEMORY_AND_DISK)
             found = rows.where(F.col(MISFIT_COLUMN).isNotNull()).select("key", MISFIT_COLUMN)
             misfits = {r[0]: r[1] for r in found.collect()}
         try:
@@ -551,8 +550,7 @@ class MicroBatch:
             done.misfits = misfits
             return done
         finally:
-            if s.sink_columns:
-                rows.unpersist()
+            rows.unpersist()
 
     def _commit_rows(
         self, claimed: ClaimedBatch, rows: DataFrame, offered: int, now: int
