@@ -70,6 +70,8 @@ _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 _AUTO_MERGE = "spark.databricks.delta.schema.autoMerge.enabled"
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _DELTA_DEFAULT_RETENTION_HOURS = 168
+_LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
+_SPARK_DEFAULT_LISTING_PARALLELISM = "10000"
 
 
 class SparkDeltaLedger:
@@ -519,7 +521,10 @@ class SparkDeltaLedger:
         ``older_than_ms`` stay. Returns the rows deleted. Vacuum removes
         unreferenced files older than ``vacuum_retention_hours`` (keep it above
         the longest reader; Delta's default is 168): a shorter one is allowed
-        for this vacuum only, never in the caller's session.
+        for this vacuum only, never in the caller's session. Vacuum lists the
+        table's directories in ``parallelPartitionDiscovery.parallelism`` tasks;
+        left at Spark's default (10,000 tasks for a ledger of a few hundred day
+        directories) it is set to the cluster's default parallelism for this vacuum.
         """
         if vacuum_retention_hours < 0:  # checked before anything is deleted
             raise ConfigError(
@@ -530,6 +535,8 @@ class SparkDeltaLedger:
         confs = {}
         if vacuum_retention_hours < _DELTA_DEFAULT_RETENTION_HOURS:
             confs[_RETENTION_CHECK] = "false"
+        if self._spark.conf.get(_LISTING_PARALLELISM) == _SPARK_DEFAULT_LISTING_PARALLELISM:
+            confs[_LISTING_PARALLELISM] = str(self._spark.sparkContext.defaultParallelism)
         session = self._write_session(confs)
 
         def attempt() -> int:
