@@ -489,9 +489,9 @@ def test_a_bad_context_value_from_the_listener_ends_in_the_dlq_naming_it(
     consumers: list[PushConsumer],
     case: tuple[str, object, str],
 ) -> None:
-    """Before, a text delay level failed every send-back (a TypeError in the policy), so the
-    message was re-submitted locally every 5 s forever, holding its queue's offset back;
-    ``ack_index=-5`` dead-lettered with ``IndexError: list index out of range``."""
+    """A bad value set by the listener is named, not a TypeError in the policy (which would
+    fail every send-back and re-submit the message locally forever, holding its queue's
+    offset back) nor an ``IndexError`` in the DLQ's reason."""
     field, value, why = case
 
     def mistaken(
@@ -521,7 +521,7 @@ def test_a_bad_context_value_from_the_listener_ends_in_the_dlq_naming_it(
 def test_a_selector_choosing_a_queue_the_topic_lacks_is_refused(
     real_redis: redis.Redis, config: IdemConfig, chosen: MessageQueue | None
 ) -> None:
-    """Before, the message went into a stream no consumer reads, and send said SEND_OK."""
+    """The message must not go into a stream no consumer reads with send saying SEND_OK."""
     producer = Producer("p", client=real_redis)
     with pytest.raises(SendFailed) as refused:
         producer.send(

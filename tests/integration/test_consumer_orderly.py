@@ -198,9 +198,9 @@ def test_a_filtered_message_does_not_move_the_offset_past_the_batch_being_consum
 def test_a_bad_suspend_time_from_the_listener_retries_then_dead_letters_naming_it(
     real_backend: RealRedis, tmp_path: Path
 ) -> None:
-    """Before, ``suspend_current_queue_time_millis = None`` raised a TypeError while the
-    result was settled: the message was never retried nor dead-lettered, and the queue's
-    offset was committed past it."""
+    """``suspend_current_queue_time_millis = None`` from the listener is a bad value, not a
+    crash while the result is settled: the message is retried, then dead-lettered naming
+    it, and the queue's offset never passes it before that."""
     real_redis = real_backend.client
     group = f"s-{uuid.uuid4().hex[:8]}"
     config = IdemConfig(

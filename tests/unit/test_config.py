@@ -132,7 +132,8 @@ def test_a_path_object_is_taken_as_its_text() -> None:
 def test_bad_consumer_settings_are_refused_by_name(
     changes: dict[str, object], message: str
 ) -> None:
-    """Before, these were taken as given: a text timestamp left the consumer never pulling
-    (a warning every rebalance), a text or fractional count failed later with a TypeError."""
+    """Refused at construction, not taken as given: a text timestamp would leave the consumer
+    never pulling (a warning every rebalance), a text or fractional count would fail later
+    with a TypeError."""
     with pytest.raises(ConfigError, match=message):
         ConsumerSettings(**changes)  # type: ignore[arg-type]

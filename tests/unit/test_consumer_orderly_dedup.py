@@ -2,8 +2,7 @@
 
 A key busy elsewhere (an instance that lost the queue's lock is still on it, or its
 lease outlives it) must stop its orderly queue *at that message*: the messages after
-it in the same consume call wait with it. Before, the hook handed the listener the
-fresh messages after the busy one, so they reached the sink before it.
+it in the same consume call wait with it, rather than reaching the sink before it.
 """
 
 from __future__ import annotations

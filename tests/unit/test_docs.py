@@ -48,9 +48,7 @@ def test_readme_speaks_of_idem_not_of_how_it_is_developed() -> None:
 def test_every_relative_link_in_the_readme_resolves_to_a_file_in_the_repository() -> None:
     links = _relative_links(README.read_text(encoding="utf-8"))
     assert len(links) >= 10  # the docs table and the guarantees' tests at least
-    missing = [
-        link for link in links if not (REPO / link.split("#", 1)[0]).resolve().exists()
-    ]
+    missing = [link for link in links if not (REPO / link.split("#", 1)[0]).resolve().exists()]
     assert missing == []
 
 

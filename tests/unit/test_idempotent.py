@@ -171,7 +171,7 @@ def test_a_bad_decorator_setting_is_refused_when_decorating(
 
 
 def test_a_key_in_a_defaulted_argument_is_read_from_the_default(dedup: Dedup) -> None:
-    """Before, a call leaning on the default was told the function 'does not take' it."""
+    """A call leaning on the default is not told the function 'does not take' it."""
     calls: list[str] = []
 
     @idempotent(key="order.order_id", dedup=dedup)

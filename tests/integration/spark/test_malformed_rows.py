@@ -100,7 +100,7 @@ def test_a_retry_whose_value_has_no_column_any_more_is_dead_lettered_not_dropped
     spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """The job renamed ``amount`` to ``amount_cents`` while rows waited for a retry. A row
-    with an amount used to reach the sink with ``amount_cents`` null and its amount gone."""
+    with an amount must not reach the sink with ``amount_cents`` null and its amount gone."""
     config = config_for(tmp_path, redis_server.url, "renamed")
     first = exactly_once(key="order_id", config=config, client=real_redis)(Keeper(failing=True))
     first.query_id = "before"
@@ -285,8 +285,8 @@ def test_a_row_that_does_not_fit_the_sink_tables_types_is_dead_lettered_the_rest
 ) -> None:
     """The Delta sink table took its types from its first batch; a later batch brings a
     value that does not fit (text where a double is, a number past an int's range). That
-    row is dead-lettered naming the column and the value; the others land. Before, the
-    commit failed, and so did every replay of the batch."""
+    row is dead-lettered naming the column and the value; the others land, and the commit
+    (and so every replay of the batch) does not fail."""
     config = config_for(tmp_path, redis_server.url, "misfits", engine=ledger_engine)
     table = tmp_path / "sink"
     sink = ExactlyOnce(
@@ -314,8 +314,8 @@ def test_a_batch_lacking_a_column_or_naming_one_in_another_case_lands_as_delta_w
 ) -> None:
     """A later batch lacks the table's ``note`` column, another names ``amount`` as
     ``AMOUNT``. Delta fills a missing nullable column with null, and its names are
-    case-insensitive. Before, the commit failed (``number of fields does not match: 16 vs
-    17``; ``Duplicate field name (case-insensitive)``), and so did every replay."""
+    case-insensitive: the commit takes both batches (neither ``number of fields does not
+    match`` nor ``Duplicate field name (case-insensitive)``), so no replay fails either."""
     config = config_for(tmp_path, redis_server.url, "columns")
     table = tmp_path / "sink"
     sink = ExactlyOnce(

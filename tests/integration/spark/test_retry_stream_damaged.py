@@ -1,9 +1,9 @@
 """An entry of ``%RETRY%<group>`` that is not an idem message, read by the Spark retry stream.
 
-Before, reading the batch that held it raised, the query failed, and every restart
-planned the same offsets and failed again. Now the stream leaves it out of the rows,
-and when Spark commits the batch it is dead-lettered with its reason and raw bytes
-and removed from the topic; the pipeline's own rows and retries go on as usual.
+The stream leaves it out of the rows instead of failing the query (which every restart
+would plan and fail again), and when Spark commits the batch it is dead-lettered with its
+reason and raw bytes and removed from the topic; the pipeline's own rows and retries go
+on as usual.
 """
 
 from __future__ import annotations
