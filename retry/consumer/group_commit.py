@@ -260,7 +260,7 @@ class GroupCommitter:
         seq, self._seq = self._seq, self._seq + 1
         error: BaseException | None = None
         for attempt in range(self.attempts):
-            locked = self._acquire()
+            self._acquire()  # held or not, the commit goes on: Delta arbitrates
             try:
                 # the same txnVersion on every attempt: a retry adds nothing the first wrote
                 outcome = self.dedup.complete(claim, batch_id=seq, app_id=self.app_id, meta=meta)
@@ -282,8 +282,9 @@ class GroupCommitter:
                     item.deferred.resolve(None)
                 return
             finally:
-                if locked:
-                    self._release()
+                # Also when not known to be held: a SET whose reply was lost may have
+                # taken it (unlock.lua deletes only this owner's lock).
+                self._release()
             if attempt + 1 < self.attempts:
                 time.sleep(0.1 * 2**attempt)
         log.warning(
@@ -302,6 +303,10 @@ class GroupCommitter:
         while time.monotonic() < deadline:
             try:
                 if self.client.set(self.lock_key, self.owner, nx=True, px=self.lock_ttl_ms):
+                    return True
+                if _text(self.client.get(self.lock_key)) == self.owner:
+                    # Ours already: an earlier SET went through but its reply was lost.
+                    self.client.pexpire(self.lock_key, self.lock_ttl_ms)
                     return True
             except REDIS_TRANSIENT:
                 return False  # Redis is away: commit anyway, Delta arbitrates
@@ -324,3 +329,10 @@ def _earliest(times: Iterable[int | None]) -> int | None:
             return None
         earliest = at if earliest is None else min(earliest, at)
     return earliest
+
+
+def _text(value: object) -> str | None:
+    """A Redis reply as text (clients may or may not decode responses)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None

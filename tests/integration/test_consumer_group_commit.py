@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,8 @@ from idem.retry.consumer import (
     consumer_offsets,
     new_message,
 )
+from idem.retry.consumer.group_commit import CommitItem, GroupCommitter
+from idem.retry.message import MessageExt
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +143,35 @@ def test_two_copies_with_one_msg_id_in_one_request_both_leave_the_queue(
         assert pq.msg_count == 0
     finally:
         consumer.shutdown()
+
+
+def test_a_commit_lock_whose_reply_was_lost_does_not_hold_up_the_commit(
+    redis_server: RedisServer, real_redis: redis.Redis, tmp_path: Path
+) -> None:
+    """The lock's ``SET NX`` reached Redis but its reply was lost: the lock is this
+    owner's already. The commit takes it as its own, rather than waiting out the lock's
+    time-to-live, and gives it back after."""
+    config = IdemConfig(
+        group=f"g-{uuid.uuid4().hex[:8]}", redis_url=redis_server.url, data_dir=str(tmp_path)
+    )
+    dedup = Dedup(config, client=redis_server.client())
+    committer = GroupCommitter(dedup, "consumer-1", client=redis_server.client())
+    claim = dedup.begin(["ORDER-1"], owner="consumer-1")
+    real_redis.set(committer.lock_key, "consumer-1", px=committer.lock_ttl_ms)
+
+    started = time.monotonic()
+    outcome = committer.commit(
+        CommitItem(
+            keys=["ORDER-1"],
+            prints=[""],
+            messages=[MessageExt(topic="orders", msg_id="M1", keys="ORDER-1", body=b"{}")],
+            ledger_version=claim.ledger_version,
+        ),
+        timeout=30,
+    )
+    took = time.monotonic() - started
+    committer.close(timeout=10)
+    assert outcome.version is not None
+    assert dedup.ledger.existing(["ORDER-1"], since_ms=None) == {"ORDER-1": ""}
+    assert took < committer.lock_ttl_ms / 2000, f"waited {took:.1f} s for its own lock"
+    assert real_redis.get(committer.lock_key) is None
