@@ -48,7 +48,7 @@ def _idem_run(case: KafkaCase, group: str, *, kill_at: str | None = None) -> tup
     command = [
         sys.executable, "-m", "idem.cli", "run",
         "--source", case.source, "--key", "order_id", "--schema", SCHEMA,
-        "--kafka-option", "maxOffsetsPerTrigger=60",
+        "--kafka-option", "maxOffsetsPerTrigger=100",
         "--group", group, "--redis-url", case.redis_url, "--data-dir", str(tmp / "data"),
         "--checkpoint", str(tmp / "checkpoint"), "--sink-delta", str(tmp / "sink"),
         "--available-now", "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",

@@ -1,6 +1,6 @@
 """``idem run`` stopped by a signal prints its report and exits as every idem command does:
-Ctrl-C (SIGINT) is exit 130, SIGTERM a clean stop (exit 0). Before, both were exit 0, so a
-script could not tell a run cut short by Ctrl-C from one that ended.
+Ctrl-C (SIGINT) is exit 130, SIGTERM a clean stop (exit 0), so a script can tell a run cut
+short by Ctrl-C from one that ended.
 
 A real ``idem run`` process (its own local Spark) and a real redis-server.
 """
@@ -19,6 +19,7 @@ import redis
 from spark_helpers import order, sink_key_counts, write_files
 
 from idem.redis_server import RedisServer
+from idem.spark.session import FAST_START_JAVA_OPTIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
@@ -40,6 +41,7 @@ def test_idem_run_stopped_by_ctrl_c_is_exit_130_and_by_sigterm_exit_0_with_the_r
         "--key", "order_id", "--group", f"interrupted-{code}", "--redis-url", redis_server.url,
         "--data-dir", str(tmp_path / "data"), "--sink-delta", str(tmp_path / "sink"),
         "--trigger-seconds", "0.5",
+        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYSPARK_PYTHON": sys.executable}
     with log.open("w", encoding="utf-8") as err:

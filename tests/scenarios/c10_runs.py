@@ -1,0 +1,91 @@
+"""``idem run`` driven for C10: order files, one run killed as asked, its report.
+
+Shared by the C10 tests of a Delta sink and of a function sink appending to a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from idem.spark.session import FAST_START_JAVA_OPTIONS
+
+SCHEMA = "order_id string, amount double"
+GROUP_TIMEOUT_S = 240
+
+
+def order_files(directory: Path, batches: int = 6, per_batch: int = 20) -> set[str]:
+    """Order files with duplicates inside and across files; returns the distinct keys."""
+    directory.mkdir(parents=True)
+    rng = random.Random(10)
+    keys: set[str] = set()
+    for b in range(batches):
+        rows = [f"ORDERID_{b * per_batch + i}" for i in range(per_batch)]
+        rows += rng.sample(rows, 3)  # duplicates in the batch
+        if b:
+            rows += [f"ORDERID_{(b - 1) * per_batch + i}" for i in range(4)]  # redelivered
+        keys.update(rows)
+        text = "".join(json.dumps({"order_id": k, "amount": 1.0}) + "\n" for k in rows)
+        (directory / f"part-{b:03d}.json").write_text(text)
+    return keys
+
+
+def idem_run(
+    tmp: Path,
+    url: str,
+    group: str,
+    sink_args: list[str],
+    *,
+    kill_at: str | None = None,
+    kill_when: Callable[[], bool] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Run ``idem run --available-now`` once; kill it as asked; return (exit code, output)."""
+    command = [
+        sys.executable, "-m", "idem.cli", "run",
+        "--source", str(tmp / "in"), "--key", "order_id", "--group", group,
+        "--redis-url", url, "--data-dir", str(tmp / "data"),
+        "--checkpoint", str(tmp / "checkpoint"), "--schema", SCHEMA,
+        "--available-now", "--max-files-per-trigger", "1",
+        "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
+        "--report-json", str(tmp / "report.json"),
+        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
+        *sink_args,
+    ]  # fmt: skip
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("IDEM_SPARK_KILL_AT", None)
+    if kill_at:
+        full_env["IDEM_SPARK_KILL_AT"] = kill_at
+    log = tmp / f"run-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+        try:
+            if kill_when is not None:
+                deadline = time.monotonic() + GROUP_TIMEOUT_S
+                while proc.poll() is None and not kill_when() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(random.Random(os.getpid()).uniform(0.0, 0.8))
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait(timeout=GROUP_TIMEOUT_S)
+        finally:
+            # The JVM is the driver's child: make sure nothing of this run survives it.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return code, log.read_text(errors="replace")
+
+
+def read_report(tmp: Path) -> dict[str, Any]:
+    report: dict[str, Any] = json.loads((tmp / "report.json").read_text())
+    return report
