@@ -5,7 +5,9 @@ claim the batch (:mod:`idem.spark.verdicts`), keeps the verdicts (persisted, so
 the sink reads the same fresh rows however often it reads them) and counts them
 with one aggregation. Rows of a bucket whose index fell behind while the tasks
 ran (``STALE``) are claimed again once that bucket is caught up, a few rounds at
-most. Only counts and bucket numbers come to the driver, never rows.
+most. In strict mode the claimed keys are then checked against the ledger. Only
+counts, bucket numbers and (strict mode on delta-rs) claimed keys come to the
+driver, never rows.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 from idem.claiming import MAX_INDEX_ROUNDS
 from idem.clock import SystemClock
+from idem.config import DedupMode
 from idem.dedup import Dedup
 from idem.errors import IndexUnsettled
+from idem.keys import group_by_bucket
 from idem.spark.faults import TaskFault
 from idem.spark.verdicts import (
     BUCKET_COLUMN,
@@ -115,7 +121,67 @@ def claim_batch(
         frame.unpersist()
         frame = merged
         rounds += 1
+    if dedup.config.mode is DedupMode.STRICT and any(counts.get(v) for v in CLAIMED):
+        frame, counts = _strict_recheck(frame, counts, dedup, owner=owner, now_ms=now)
     return ClaimedBatch(frame, counts, version, owner, now, rounds)
+
+
+def _strict_recheck(
+    frame: DataFrame, counts: dict[Verdict, int], dedup: Dedup, *, owner: str, now_ms: int
+) -> tuple[DataFrame, dict[Verdict, int]]:
+    """Strict mode: claimed keys the ledger already holds within the dedup window are
+    completed (or mismatched, by their fingerprint), not handed to the sink.
+
+    On delta-spark the claimed keys meet the ledger in a Spark join; on delta-rs
+    only the claimed keys (the ledger's own column) come to the driver. The keys
+    found, usually none, go back to the executors as a broadcast table.
+    """
+    from pyspark import StorageLevel  # noqa: PLC0415 -- pyspark is loaded by now
+    from pyspark.sql import functions as F  # noqa: N812, PLC0415
+
+    from idem.ledger.spark_engine import SparkDeltaLedger  # noqa: PLC0415
+
+    since = now_ms - dedup.config.dedup_window_ms
+    is_claimed = F.col(VERDICT_COLUMN).isin([int(v) for v in CLAIMED])
+    keys = frame.where(is_claimed).select(KEY_COLUMN)
+    ledger = dedup.ledger
+    if isinstance(ledger, SparkDeltaLedger):
+        found = ledger.existing_among(keys, KEY_COLUMN, since_ms=since)
+    else:
+        found = ledger.existing(keys.toArrow().column(0).to_pylist(), since_ms=since)
+    if not found:
+        return frame, counts
+    dedup.hot.release(group_by_bucket(list(found), dedup.config.buckets), owner)
+    spark = frame.sparkSession
+    stored = "_idem_stored"
+    probe = spark.createDataFrame(
+        pa.table(
+            {
+                KEY_COLUMN: pa.array(list(found), pa.string()),
+                stored: pa.array(list(found.values()), pa.string()),
+            }
+        )
+    )
+    joined = frame.join(F.broadcast(probe), KEY_COLUMN, "left")
+    hit = is_claimed & F.col(stored).isNotNull()
+    own = F.col(FINGERPRINT_TEXT_COLUMN)
+    differs = hit & (F.col(stored) != "") & own.isNotNull() & (own != "") & (own != F.col(stored))
+    verdict = (
+        F.when(differs, int(Verdict.MISMATCHED))
+        .when(hit, int(Verdict.COMPLETED))
+        .otherwise(F.col(VERDICT_COLUMN))
+        .cast(frame.schema[VERDICT_COLUMN].dataType)
+    )
+    detail = F.when(hit, F.col(stored)).otherwise(F.col(DETAIL_COLUMN))
+    rechecked = (
+        joined.withColumn(VERDICT_COLUMN, verdict)
+        .withColumn(DETAIL_COLUMN, detail)
+        .select(*frame.columns)
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    recounted = _counts(rechecked)
+    frame.unpersist()
+    return rechecked, recounted
 
 
 def _counts(frame: DataFrame) -> dict[Verdict, int]:

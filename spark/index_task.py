@@ -1,4 +1,5 @@
-"""The Redis index update of a committed batch, run on the executors, bucket by bucket.
+"""The Redis index update of a committed batch, run on the executors, bucket by bucket
+(and the release of an abandoned batch's claims, likewise).
 
 After the ledger commit of a batch (version ``v``), Redis learns that its keys
 are COMPLETED. The verdicts of the batch are partitioned by bucket
@@ -149,3 +150,42 @@ def index_committed(
         )  # fmt: skip
         lagging |= moved.lagging_buckets
     return IndexedVersion(completed, fenced, frozenset(lagging))
+
+
+@dataclass(frozen=True)
+class ReleaseTask:
+    """Give back one task's claims of an abandoned batch; ``mapInArrow`` calls it on an
+    executor. Keys completed or held by another owner are left alone (``release.lua``).
+
+    Args:
+        config: The group's settings (Redis URL, buckets).
+        owner: The batch's owner token: only its claims are released.
+    """
+
+    config: IdemConfig
+    owner: str
+
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """Release the task's keys; one result row with how many were released."""
+        received = [b for b in batches if b.num_rows]
+        if not received:
+            return
+        table = pa.Table.from_batches(received).combine_chunks()
+        buckets = table.column(BUCKET_COLUMN).to_numpy()
+        order = np.argsort(buckets, kind="stable")
+        keys = table.column(KEY_COLUMN).take(pa.array(order)).to_pylist()
+        store = RedisHotStore.from_config(
+            self.config, client=redis_client(self.config.redis_url), clock=SYSTEM_CLOCK
+        )
+        released = store.release(split_by_bucket(keys, buckets[order]), self.owner)
+        yield pa.record_batch([pa.array([released], pa.int64())], names=["released"])
+
+
+def release_claimed(claimed: DataFrame, task: ReleaseTask) -> int:
+    """Release the ``claimed`` rows' keys (:data:`KEY_COLUMN`, :data:`BUCKET_COLUMN`) from
+    the executors; how many claims were given back."""
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
+    schema = st.StructType([st.StructField("released", st.LongType())])
+    reports = claimed.select(KEY_COLUMN, BUCKET_COLUMN).mapInArrow(task, schema).collect()
+    return sum(int(r["released"]) for r in reports)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,7 @@ from idem.retry.sendback import BUSY_DELAY_LEVEL
 from idem.retry.status import ConsumeConcurrentlyStatus
 from idem.spark.claimed import ClaimedBatch, claim_batch
 from idem.spark.faults import BatchObserver, CrashPoint, TaskFault
-from idem.spark.index_task import IndexTask, index_committed
+from idem.spark.index_task import IndexTask, ReleaseTask, index_committed, release_claimed
 from idem.spark.ledger_rows import MISFIT_COLUMN, LedgerRowsTask, ledger_frame
 from idem.spark.messages import MESSAGE_COLUMN, RECONSUME_TIMES_COLUMN
 from idem.spark.outcome import BatchOutcome
@@ -317,10 +317,7 @@ class MicroBatch:
         """Give back every claim of the batch (it is abandoned)."""
         if not claimed.claimed or not self.setup.hold:
             return
-        keys = claimed.fresh.select(KEY_COLUMN).toArrow().column(0).to_pylist()
-        self.setup.dedup.hot.release(
-            group_by_bucket(keys, self.setup.dedup.config.buckets), self.owner
-        )
+        release_claimed(claimed.fresh, ReleaseTask(self.setup.dedup.config, self.owner))
 
     # -- sink ---------------------------------------------------------------------------------
 
@@ -391,12 +388,14 @@ class MicroBatch:
         claimed_row = verdict.isin([int(v) for v in CLAIMED])
         if isinstance(failures, _AllFailed):
             condition = condition | claimed_row
-        elif failures:
-            condition = condition | (claimed_row & F.col(KEY_COLUMN).isin(list(failures)))
         wanted = sum(claimed.counts.get(v, 0) for v in out)
         if not wanted and not failures:
             return self.setup.restored(claimed.frame.limit(0).toArrow())
-        rows = with_bodies(claimed.frame.where(condition), self._bodies())
+        chosen = claimed.frame.where(condition)
+        if isinstance(failures, Mapping) and failures:
+            rejected = _among(claimed.frame.where(claimed_row), failures, keep=True)
+            chosen = chosen.unionByName(rejected)
+        rows = with_bodies(chosen, self._bodies())
         return self.setup.restored(rows.orderBy(ORDER_COLUMN).toArrow())
 
     def _bodies(self) -> BodyTask:
@@ -425,9 +424,7 @@ class MicroBatch:
     def _with_misfits(
         self, claimed: ClaimedBatch, leaving: pa.Table, misfits: Mapping[str, str]
     ) -> pa.Table:
-        from pyspark.sql import functions as F  # noqa: N812, PLC0415
-
-        misfit = claimed.fresh.where(F.col(KEY_COLUMN).isin(list(misfits)))
+        misfit = _among(claimed.fresh, misfits, keep=True)
         rows = self.setup.restored(with_bodies(misfit, self._bodies()).toArrow())
         return pa.concat_tables([leaving, rows.cast(leaving.schema)]) if leaving.num_rows else rows
 
@@ -519,7 +516,7 @@ class MicroBatch:
         accepted = claimed.fresh
         offered = claimed.claimed - len(failed)
         if failed:
-            accepted = accepted.where(~F.col(KEY_COLUMN).isin(list(failed.values())))
+            accepted = _among(accepted, failed.values(), keep=False)
         if offered <= 0:
             return _Commit()
         ledger = s.dedup.ledger
@@ -599,7 +596,7 @@ class MicroBatch:
             F.col("fingerprint").alias(FINGERPRINT_TEXT_COLUMN),
         )
         if slipped:
-            committed = committed.where(~F.col(KEY_COLUMN).isin(list(slipped)))
+            committed = _among(committed, slipped, keep=False)
         # None: the scripts read Redis's clock (a test's clock is passed as it is).
         at = None if isinstance(s.clock, SystemClock) else now
         task = IndexTask(s.dedup.config, self.owner, version, now, at)
@@ -656,9 +653,23 @@ class MicroBatch:
 
 def _sample(rows: DataFrame, slipped: Sequence[str]) -> tuple[str, ...]:
     """Up to :data:`APPLIED_KEYS_SHOWN` of the committed keys."""
-    from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
     keys = rows.select("key")
     if slipped:
-        keys = keys.where(~F.col("key").isin(list(slipped)))
+        keys = _among(keys, slipped, column="key", keep=False)
     return tuple(keys.limit(APPLIED_KEYS_SHOWN).toArrow().column(0).to_pylist())
+
+
+def _among(
+    frame: DataFrame, keys: Iterable[str], *, column: str = KEY_COLUMN, keep: bool
+) -> DataFrame:
+    """The rows of ``frame`` whose ``column`` is (``keep``) or is not among ``keys``.
+
+    A join with the keys as a broadcast table: one Arrow transfer however many keys
+    there are, where an ``isin`` list costs the driver a call per key and grows the plan.
+    """
+    from pyspark.sql import functions as F  # noqa: N812, PLC0415
+
+    wanted = pa.table({column: pa.array(sorted(set(keys)), pa.string())})
+    probe = frame.sparkSession.createDataFrame(wanted)
+    return frame.join(F.broadcast(probe), column, "left_semi" if keep else "left_anti")

@@ -478,21 +478,25 @@ class SparkDeltaLedger:
             return {}
         probe = self._spark.createDataFrame(pa.table({"key": pa.array(wanted, pa.string())}))
         joined = self._recent(since_ms).join(probe, "key").select("key", column, "completed_at")
-        rows = self._spark_read(joined.toArrow)
-        found: dict[str, Any] = {}
-        newest_first = rows.sort_by([("completed_at", "descending")])
-        pairs = zip(
-            newest_first.column("key").to_pylist(),
-            newest_first.column(column).to_pylist(),
-            strict=True,
-        )
-        for key, value in pairs:
-            found[key] = value  # newest first, so the earliest row wins
-        return found
+        return _earliest(self._spark_read(joined.toArrow), column)
 
     def existing(self, keys: Iterable[str], *, since_ms: int | None) -> dict[str, str]:
         """``key -> fingerprint`` of keys present (a Spark join, never an ``IN`` list)."""
         return {k: v or "" for k, v in self._lookup(keys, since_ms, "fingerprint").items()}
+
+    def existing_among(
+        self, frame: DataFrame, key_column: str, *, since_ms: int | None
+    ) -> dict[str, str]:
+        """``key -> fingerprint`` of the keys of ``frame``'s ``key_column`` present: a
+        join on the executors; only the keys found come to the driver."""
+        from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
+
+        if self.version() < 0:
+            return {}
+        probe = frame.select(F.col(key_column).alias("key")).distinct()
+        joined = self._recent(since_ms).join(probe, "key", "left_semi")
+        rows = self._spark_read(joined.select("key", "fingerprint", "completed_at").toArrow)
+        return {k: v or "" for k, v in _earliest(rows, "fingerprint").items()}
 
     def lookup_results(
         self, keys: Iterable[str], *, since_ms: int | None = None
@@ -581,6 +585,20 @@ class SparkDeltaLedger:
 
 class _Conflict(Exception):
     """A write lost to a concurrent writer: try again."""
+
+
+def _earliest(rows: pa.Table, column: str) -> dict[str, Any]:
+    """``key -> column`` of each key's earliest row (by ``completed_at``)."""
+    found: dict[str, Any] = {}
+    newest_first = rows.sort_by([("completed_at", "descending")])
+    pairs = zip(
+        newest_first.column("key").to_pylist(),
+        newest_first.column(column).to_pylist(),
+        strict=True,
+    )
+    for key, value in pairs:
+        found[key] = value  # newest first, so the earliest row wins
+    return found
 
 
 def _recent_sql(since_ms: int, *, alias: str = "") -> str:

@@ -18,6 +18,7 @@ from pyspark.sql import types as st
 from spark_helpers import config_for, dead_letters, sink_key_counts
 
 from idem.config import MismatchPolicy
+from idem.errors import PayloadMismatch
 from idem.redis_server import RedisServer
 from idem.spark.decorator import ExactlyOnce
 from idem.spark.delta_sink import delta_sink
@@ -111,3 +112,73 @@ def test_copies_of_a_key_that_disagree_follow_the_mismatch_policy(
     else:
         assert letters == []
         assert outcome.dead == 0
+
+
+def test_strict_mode_hands_the_sink_no_key_the_ledger_holds_though_redis_forgot_it(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
+) -> None:
+    """Strict mode trusts the ledger, not Redis: with the completed keys gone from Redis
+    but its watermarks kept (an index silently incomplete), the next batch's copies of
+    those keys are completed duplicates, a copy with another payload is mismatched, and
+    only the new key reaches the sink."""
+    config = config_for(
+        tmp_path,
+        redis_server.url,
+        "strict",
+        engine=ledger_engine,
+        mode="strict",
+        mismatch_policy=MismatchPolicy.DEAD_LETTER,
+    )
+    given: Counter[str] = Counter()
+
+    def sink(fresh: DataFrame, batch_id: int) -> None:
+        given.update(r["order_id"] for r in fresh.select("order_id").collect())
+
+    decorated = ExactlyOnce(sink, config=config, key="order_id", client=real_redis)
+    decorated.query_id = "q"
+    first = spark.createDataFrame([("A", 1), ("B", 2)], SCHEMA).repartition(2)
+    assert decorated.process(first, 0).applied == 2
+    forgotten = list(real_redis.scan_iter("idem:*:c:*"))
+    assert forgotten
+    real_redis.delete(*forgotten)
+
+    later = spark.createDataFrame([("A", 1), ("B", 99), ("C", 3)], SCHEMA).repartition(3)
+    outcome = decorated.process(later, 1)
+    assert given == Counter({"A": 1, "B": 1, "C": 1})
+    assert outcome.applied == 1
+    assert outcome.duplicates == {"completed": 2}  # a mismatched copy is a duplicate too
+    assert outcome.mismatched == 1
+    assert [d.key for d in dead_letters(config)] == ["B"]
+
+
+def test_a_batch_abandoned_by_the_raise_policy_gives_its_claims_back(
+    spark: SparkSession, real_redis: redis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Under ``mismatch_policy=raise`` a conflicting copy stops the batch before the sink,
+    and the executors release the batch's claims: the next attempt (another owner, as a
+    restarted query is) claims every key at once instead of waiting out the leases."""
+    config = config_for(tmp_path, redis_server.url, "abandon", mismatch_policy=MismatchPolicy.RAISE)
+    given: list[str] = []
+
+    def sink(fresh: DataFrame, batch_id: int) -> None:
+        given.extend(r["order_id"] for r in fresh.select("order_id").collect())
+
+    rows = [(f"K{n}", n) for n in range(40)] + [("K0", 99)]  # K0's copy disagrees
+    batch = spark.createDataFrame(rows, SCHEMA).repartition(4)
+    first = ExactlyOnce(sink, config=config, key="order_id", client=real_redis)
+    first.query_id = "first"
+    with pytest.raises(PayloadMismatch, match="K0"):
+        first.process(batch, 0)
+    assert given == []
+
+    fixed = spark.createDataFrame(rows[:40], SCHEMA).repartition(4)
+    second = ExactlyOnce(sink, config=config, key="order_id", client=real_redis)
+    second.query_id = "second"
+    outcome = second.process(fixed, 0)
+    assert outcome.busy == 0
+    assert outcome.applied == 40
+    assert sorted(given) == sorted(f"K{n}" for n in range(40))
