@@ -27,7 +27,7 @@ from idem.spark.outcome import BatchOutcome
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
-LEASE_MS = 1_500
+LEASE_MS = 2_000
 KEYS = [f"ORDERID_{i}" for i in range(40)]
 
 
