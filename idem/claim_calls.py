@@ -59,12 +59,18 @@ class ClaimCalls:
         min_version: int,
         hold: bool = True,
         renew: bool = False,
+        track: bool = False,
     ) -> None:
         """``hold=False``: the verdicts only; ``renew``: only ``owner``'s own claims get a
-        new lease (verdict R, reported as re-taken), nothing else is written."""
+        new lease (verdict R, reported as re-taken), nothing else is written; ``track``
+        (with ``hold``): the claimed keys are also recorded for ``owner``, so that
+        :meth:`~idem.hotstore.RedisHotStore.renew_tracked` can renew them without
+        being told which they are."""
         self._store = store
         self._when = store.instant()
-        mode = "renew" if renew else "hold" if hold else "look"
+        track = track and hold and not renew
+        mode = "renew" if renew else ("track" if track else "hold") if hold else "look"
+        self._track = track
         self._head_tail = store.claim_arguments(
             self._when.arg, owner, min_version=min_version, mode=mode
         )
@@ -83,6 +89,8 @@ class ClaimCalls:
         for bucket, given in keys_by_bucket.items():
             keys = given if isinstance(given, list) else list(given)
             tag, routing = store.claim_route(bucket, when.ms, when.slack_ms)
+            if self._track:  # claim.lua records the keys in the owner's hash
+                routing = [*routing, store.owned_name(bucket, self._owner)]
             head = [tag, *self._head_tail]
             for start in range(0, len(keys), CLAIM_CHUNK):
                 chunk = keys[start : start + CLAIM_CHUNK]

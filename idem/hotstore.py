@@ -7,6 +7,8 @@ tag, so a bucket lives in one Redis Cluster slot::
     idem:{<group>:<bucket>}:c:<window>:<gen>   hash: <key> -> <fingerprint>|<completed_at_ms>
     idem:{<group>:<bucket>}:wm                 "<version>|<window>": every ledger version
                                                <= version is indexed here, for this window
+    idem:{<group>:<bucket>}:o:<owner>          hash: <key> -> 1, the keys an owner that claimed
+                                               with ``track`` holds here (lives one lease)
 
 COMPLETED keys live in generation hashes (``gen = completed_at // window``, TTL to
 the end of the next generation), so a key is COMPLETED exactly while
@@ -94,6 +96,7 @@ INDEX_CHUNK = 5_000  # keys per ledger-load call
 INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at once
 SETTLE_LOOKUPS = 50_000  # lookups per settle call: ~15 ms of Redis time, then others run
 SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/load
+RENEW_SCAN = 1_000  # keys an owner's renewal looks at per call (see renew.lua)
 MAX_OWNER_CHARS = 256
 _SPAN_DECLARED = 3  # generations an index call declares as a range (else the exact ones)
 
@@ -163,6 +166,7 @@ class RedisHotStore:
         self._release = _load_script(client, "release.lua")
         self._index = _load_script(client, "index.lua")
         self._settle = _load_script(client, "settle.lua")
+        self._renew = _load_script(client, "renew.lua")
 
     @classmethod
     def from_config(
@@ -226,6 +230,10 @@ class RedisHotStore:
     def _completed_name(self, tag: str, gen: int) -> str:
         """The hash of the keys completed in generation ``gen`` (``completed_at // window``)."""
         return f"{tag}:c:{self._window}:{gen}"
+
+    def owned_name(self, bucket: int, owner: str) -> str:
+        """The hash of the keys ``owner`` claimed with ``track`` in ``bucket``."""
+        return f"{self._tags[self._bucket(bucket)]}:o:{owner}"
 
     def watermark_name(self, bucket: int) -> str:
         """The Redis name of a bucket's watermark."""
@@ -386,10 +394,56 @@ class RedisHotStore:
             raise
         return calls.result()
 
-    def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimCalls:
+    def start_claim(
+        self, owner: str, *, min_version: int, hold: bool = True, track: bool = False
+    ) -> ClaimCalls:
         """A :meth:`claim` whose keys are added in parts, each sent to Redis at once
-        (on a single server) while the caller prepares the next; see :class:`ClaimCalls`."""
-        return ClaimCalls(self, self._owner(owner), min_version=min_version, hold=hold)
+        (on a single server) while the caller prepares the next; see :class:`ClaimCalls`.
+        ``track`` (with ``hold``) also records the claimed keys for :meth:`renew_tracked`."""
+        return ClaimCalls(self, self._owner(owner), min_version=min_version, hold=hold, track=track)
+
+    def renew_tracked(self, owner: str) -> int:
+        """Give every claim ``owner`` still holds among the keys it claimed with ``track``
+        a new lease from now; returns how many were renewed.
+
+        One ``renew.lua`` call per bucket and about :data:`RENEW_SCAN` of the owner's
+        keys there, none of them sent by or to the caller: the work on the caller's
+        side is O(buckets), whatever the number of keys. Keys completed, released or
+        taken over meanwhile are left alone (and forgotten).
+        """
+        self._owner(owner)
+        cursors = dict.fromkeys(range(self.buckets), "0")
+        renewed = 0
+        while cursors:
+            pipes = self._pipes()
+            order = list(cursors)
+            when = self.instant()
+            for bucket in order:
+                tag = self._tags[bucket]
+                routing = [
+                    self.owned_name(bucket, owner),
+                    *self._claim_names(tag, when.ms, when.slack_ms),
+                ]
+                args = [
+                    tag, owner, when.arg, str(self.lease_ms), self._claim_gens,
+                    cursors[bucket], str(RENEW_SCAN),
+                ]  # fmt: skip
+                self._renew(keys=routing, args=args, client=pipes.pipe(tag))
+            replies = self._run(pipes, "renew")
+            cursors = {}
+            for bucket, (cursor, count) in zip(order, replies, strict=True):
+                renewed += int(count)
+                if as_text(cursor) != "0":
+                    cursors[bucket] = as_text(cursor)
+        return renewed
+
+    def untrack(self, owner: str) -> None:
+        """Forget the keys ``owner`` claimed with ``track`` (its claims stay as they are)."""
+        self._owner(owner)
+        pipes = self._pipes()
+        for bucket in range(self.buckets):
+            pipes.pipe(self._tags[bucket]).delete(self.owned_name(bucket, owner))
+        self._run(pipes, "untrack")
 
     def _decided(
         self, keys_by_bucket: Mapping[int, Sequence[str]], buckets: Iterable[int] | None

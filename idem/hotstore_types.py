@@ -126,8 +126,20 @@ class HotStore(Protocol):
         """New leases for the claims ``owner`` still holds on these keys; the keys renewed."""
         ...
 
-    def start_claim(self, owner: str, *, min_version: int, hold: bool = True) -> ClaimInFlight:
-        """:meth:`claim` in parts: Redis may run the first while the caller prepares the next."""
+    def start_claim(
+        self, owner: str, *, min_version: int, hold: bool = True, track: bool = False
+    ) -> ClaimInFlight:
+        """:meth:`claim` in parts: Redis may run the first while the caller prepares the next.
+        ``track`` (with ``hold``): the store also records the claimed keys for ``owner``."""
+        ...
+
+    def renew_tracked(self, owner: str) -> int:
+        """New leases for the claims ``owner`` still holds among the keys it claimed with
+        ``track``, without naming them; how many were renewed."""
+        ...
+
+    def untrack(self, owner: str) -> None:
+        """Forget the keys ``owner`` claimed with ``track``."""
         ...
 
     def complete(

@@ -99,6 +99,24 @@ class BatchClaim:
             duplicates_by_cause=dict(by_cause),
         )
 
+    def conflicting(self) -> tuple[int, ...]:
+        """The ``in_batch`` duplicates whose payload fingerprint differs from the one of
+        their key's row that the batch kept: another payload under the same key, a
+        mismatch like one with a completed key (``mismatch_policy`` decides), never a
+        silent duplicate. Rows without a fingerprint are never conflicting."""
+        copies = [i for i, cause in self.duplicates.items() if cause is DuplicateCause.IN_BATCH]
+        if not copies:
+            return ()
+        keys, prints = self.keys, self.fingerprints
+        kept = {
+            keys[i]: prints[i]
+            for i in range(len(keys))
+            if keys[i] is not None and self.duplicates.get(i) is not DuplicateCause.IN_BATCH
+        }
+        return tuple(
+            sorted(i for i in copies if prints[i] and kept.get(keys[i], "") not in ("", prints[i]))
+        )
+
     def fresh_keys(self) -> list[str]:
         """The keys of the fresh rows, in input order."""
         return [k for k in (self.keys[i] for i in self.fresh) if k is not None]

@@ -84,8 +84,13 @@ def claim_batch(
     hold: bool,
     fingerprints: bool = True,
     fault: TaskFault | None = None,
+    track: bool = False,
 ) -> ClaimedBatch:
     """Claim every row of ``prepared`` for ``owner`` on the executors (see the module).
+
+    ``track`` (with ``hold``): the executors also record the claimed keys under
+    ``owner`` in Redis, so the driver can renew their leases
+    (:meth:`idem.hotstore.RedisHotStore.renew_tracked`) without gathering them.
 
     Raises :class:`IndexUnsettled` when buckets keep falling behind for
     :data:`~idem.claiming.MAX_INDEX_ROUNDS` rounds (Redis restarting in a loop).
@@ -97,7 +102,15 @@ def claim_batch(
     now = dedup.hot.now_ms()
     at = None if isinstance(dedup.clock, SystemClock) else now  # None: Redis's clock decides
     task = ClaimTask(
-        dedup.config, owner, at, version, hold, key, fingerprints=fingerprints, fault=fault
+        dedup.config,
+        owner,
+        at,
+        version,
+        hold,
+        key,
+        fingerprints=fingerprints,
+        fault=fault,
+        track=track and hold,
     )
     frame = verdict_frame(prepared, task).persist(StorageLevel.MEMORY_AND_DISK)
     counts = _counts(frame)

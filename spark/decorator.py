@@ -356,10 +356,13 @@ def exactly_once(
     first). It returns the keys it could not take (a list of keys, a DataFrame of
     rows, or a ``{key: error}`` mapping; ``None`` means all were taken); if it
     raises, every fresh row counts as failed. Failed rows go back on the delay
-    ladder and, after ``max_reconsume_times``, to ``%DLQ%<group>``. It may be
-    called again with the same rows when Spark replays a batch or a lease
-    expired, so it must write idempotently (e.g. keyed on ``idempotency_column``)
-    and must not stop the query or the session.
+    ladder and, after ``max_reconsume_times``, to ``%DLQ%<group>``. While it runs,
+    the driver renews the batch's leases every ``lease_ms / 3`` (a function slower
+    than the lease keeps its keys); if the driver dies meanwhile, its keys come free
+    a lease later. It may be called again with the same rows when Spark replays a
+    batch or another query took over a dead driver's keys, so it must write
+    idempotently (e.g. keyed on ``idempotency_column``) and must not stop the
+    query or the session.
 
     Args:
         group: The consumer group; overrides ``config.group``. Without

@@ -5,7 +5,10 @@
 1. **claim** on the executors (:func:`idem.spark.claimed.claim_batch`): every row
    gets its verdict where it lies, and the verdicts are kept by Spark;
 2. **sink**: the user's function gets the claimed rows as a DataFrame that stays
-   the same however often it is read;
+   the same however often it is read; with leases, the driver renews them every
+   third of a lease from the claim job's start until the batch's claims are
+   completed or released (the tasks record the keys under the batch's owner in
+   Redis, so a renewal is one call per bucket: :class:`~idem.lease_keeper.LeaseKeeper`);
 3. **commit** of the accepted rows: their ledger rows are made on the executors
    (:mod:`idem.spark.ledger_rows`); on the delta-spark engine they are one Spark
    MERGE and the Redis index update runs on the executors too; on the embedded
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,7 @@ from idem.config import DedupMode, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
 from idem.keys import group_by_bucket
+from idem.lease_keeper import LeaseKeeper
 from idem.ledger.schema import LEDGER_SCHEMA
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
 from idem.retry.engine import RetryEngine
@@ -179,19 +184,24 @@ class MicroBatch:
         """Drive the batch through every step; the outcome is recorded in the group's stats."""
         self._reached(CrashPoint.BEFORE_CLAIM)
         s = self.setup
-        claimed = claim_batch(
-            self.prepared,
-            s.dedup,
-            owner=self.owner,
-            key=s.carried(s.key),
-            hold=s.hold,
-            fingerprints=s.fingerprints,
-            fault=s.task_fault,
-        )
-        try:
-            return self._after_claim(claimed)
-        finally:
-            claimed.release()
+        # With leases, the claims are renewed from the moment the tasks make them (the
+        # claim job, the sink and the commit may each outlast a lease) until the batch
+        # has completed or released them, or its driver died.
+        with LeaseKeeper(s.dedup, None, self.owner) if s.hold else nullcontext():
+            claimed = claim_batch(
+                self.prepared,
+                s.dedup,
+                owner=self.owner,
+                key=s.carried(s.key),
+                hold=s.hold,
+                fingerprints=s.fingerprints,
+                fault=s.task_fault,
+                track=s.hold,
+            )
+            try:
+                return self._after_claim(claimed)
+            finally:
+                claimed.release()
 
     def _after_claim(self, claimed: ClaimedBatch) -> BatchOutcome:
         s = self.setup

@@ -134,6 +134,9 @@ class ClaimTask:
             system clock): each call decides at Redis's clock.
         min_version: The ledger version each bucket's index must have reached.
         hold: Whether the claims take leases (see :meth:`idem.dedup.Dedup.begin`).
+        track: With ``hold``: also record the claimed keys under the owner in Redis,
+            so the driver can renew their leases without knowing them (see
+            :meth:`idem.hotstore.RedisHotStore.renew_tracked`).
         key: The column holding the business key.
         fingerprints: Whether :data:`HASH_COLUMN` holds the payload hashes.
         fault: A failure to stage in one task's first attempt (tests only).
@@ -148,6 +151,7 @@ class ClaimTask:
     fingerprints: bool = True
     fault: TaskFault | None = None
     """A fault to stage in the task (tests): see :class:`idem.spark.faults.TaskFault`."""
+    track: bool = False
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """Tag every row of the task with its verdict (called once per task)."""
@@ -229,7 +233,9 @@ class ClaimTask:
             client=redis_client(self.config.redis_url),
             clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
         )
-        calls = store.start_claim(self.owner, min_version=self.min_version, hold=self.hold)
+        calls = store.start_claim(
+            self.owner, min_version=self.min_version, hold=self.hold, track=self.track
+        )
         try:
             calls.add(grouped)
             if self.fault is not None:

@@ -17,7 +17,12 @@
 --          written (for a sink whose commit is the ledger's checked append: the
 --          ledger, not a lease, keeps a key from being written twice); 'renew': the
 --          same verdicts, only the owner's own claims (R) written, with a new lease
---          (a holder extending the keys it still works on; nothing absent is taken)
+--          (a holder extending the keys it still works on; nothing absent is taken);
+--          'track': as 'hold', and every key claimed is also recorded in the owner's
+--          hash of the bucket <tag>:o:<owner> (field = key), which lives as long as a
+--          lease: renew.lua extends the leases of the keys listed there, for a holder
+--          that does not know its keys (a Spark driver whose executors claimed them).
+--          That name is then one of KEYS too.
 -- ARGV[9..] business keys (every name built here from ARGV[1] shares the hash
 --          tag of KEYS[1], so the script stays in one cluster slot)
 --
@@ -69,11 +74,13 @@ local gen = math.floor(now / width)
 local head = 'P|' .. owner .. '|'
 local fresh = head .. lease_until .. '|1'
 
-if ARGV[8] ~= 'hold' and ARGV[8] ~= 'look' and ARGV[8] ~= 'renew' then
-  return redis.error_reply('idem: claim mode must be hold, look or renew, got ' .. tostring(ARGV[8]))
+local mode = ARGV[8]
+if mode ~= 'hold' and mode ~= 'look' and mode ~= 'renew' and mode ~= 'track' then
+  return redis.error_reply('idem: claim mode must be hold, look, renew or track, got ' .. tostring(mode))
 end
-local hold = ARGV[8] == 'hold'
-local renew = ARGV[8] == 'renew'
+local track = mode == 'track'
+local hold = mode == 'hold' or track
+local renew = mode == 'renew'
 local keys = {}
 for i = 9, #ARGV do
   keys[#keys + 1] = ARGV[i]
@@ -114,6 +121,7 @@ end
 local reply = {1, ''}
 local codes = {}
 local writes, nw = {}, 0  -- field/value pairs to write, and how many values that is
+local tracked = {}  -- 'track': field/value pairs of the owner's hash
 local moved = {}  -- per older generation: keys whose renewed claim now lives in the current one
 for j = 1, n do
   local done = false
@@ -154,6 +162,9 @@ for j = 1, n do
     end
     if write then
       writes[nw + 1], writes[nw + 2] = keys[j], write
+      if track then
+        tracked[nw + 1], tracked[nw + 2] = keys[j], '1'
+      end
       nw = nw + 2
     end
   end
@@ -161,6 +172,11 @@ end
 if nw > 0 then
   sliced(writes, function(...) redis.call('HSET', hashes[1], ...) end)
   redis.call('PEXPIRE', hashes[1], string.format('%d', (pgen + span + 1) * pwidth - now))
+  if track then
+    local owned = declared(tag .. ':o:' .. owner)
+    sliced(tracked, function(...) redis.call('HSET', owned, ...) end)
+    redis.call('PEXPIRE', owned, ARGV[4])
+  end
 end
 for i, list in pairs(moved) do
   sliced(list, function(...) redis.call('HDEL', hashes[i], ...) end)

@@ -21,8 +21,13 @@ Around every consume call the middleware (docs/pages/protocol.md):
    (:meth:`~idem.retry.RetryEngine.send_back_busy`), never dropped. Among copies
    of one key in one call the retried copy (highest ``reconsume_times``) wins,
    then the lowest queue offset, then the earliest born time: a fresh
-   redelivery never cuts a retry chain short. Orderly, the fresh messages after a
-   busy one in queue order wait with it (busy too): they must not reach the sink first;
+   redelivery never cuts a retry chain short. A copy whose body differs from the
+   completed one, or from the copy the call consumes, is a payload mismatch and
+   follows ``mismatch_policy`` (``dead_letter``: to the DLQ with the key in the
+   reason; ``raise``: failed and retried, then dead-lettered; ``warn``: logged and
+   acknowledged), counted in :attr:`DedupStats.mismatched`. Orderly, the fresh
+   messages after a busy one in queue order wait with it (busy too): they must not
+   reach the sink first;
 4. completes the keys that reached the sink — the listener's
    :func:`~idem.retry.consumer.listener.mark_done` marks if it gave any,
    otherwise the messages it acknowledged — *after* the listener returned, so a
@@ -84,6 +89,12 @@ callable taking the message."""
 
 BUSY = "busy"
 """The cause recorded for a key another consumer (or call) is processing right now."""
+
+MISMATCH_DETAIL = "completed before with another payload"
+"""Why a copy of a completed key is a payload mismatch."""
+
+CONFLICT_DETAIL = "another message of this consume call has this key with another payload"
+"""Why an in-call duplicate is a payload mismatch (the call consumes the other message)."""
 
 
 def precedence(message: MessageExt) -> tuple[int, int, int]:
@@ -162,6 +173,9 @@ class DedupStats:
     busy: int = 0
     invalid: int = 0
     slipped: int = 0
+    mismatched: int = 0
+    """Copies of a key whose payload differed from the completed one or from the copy
+    consumed in the same call (also counted as duplicates; ``mismatch_policy`` decided)."""
     commits: int = 0
     duplicates: Counter[str] = field(default_factory=Counter)
     records: deque[DuplicateRecord] = field(default_factory=lambda: deque(maxlen=100_000))
@@ -425,14 +439,15 @@ class DedupMiddleware:
             DuplicateRecord.of(str(raw[i]), BUSY, messages[i], scope.client_id)
             for i in sorted(result.failed)
         ]
-        dead_mismatch = self.dedup.config.mismatch_policy is MismatchPolicy.DEAD_LETTER
+        mismatched = dict.fromkeys(claim.mismatched, MISMATCH_DETAIL)
+        mismatched.update((k, CONFLICT_DETAIL) for k in claim.conflicting())
         for k, cause in claim.duplicates.items():
             i = here[k]
-            if dead_mismatch and k in claim.mismatched:
-                result.dead[i] = f"{self.field}: payload differs from the completed one"
-            records.append(
-                DuplicateRecord.of(claim.keys[k] or "", cause.value, messages[i], scope.client_id)
-            )
+            key = claim.keys[k] or ""
+            detail = mismatched.get(k)
+            if detail is not None:
+                self._mismatch(messages[i], key, detail, at=i, result=result)
+            records.append(DuplicateRecord.of(key, cause.value, messages[i], scope.client_id))
         for k in claim.busy:
             i = here[k]
             result.failed[i] = self._busy("busy: key claimed by another consumer")
@@ -446,7 +461,25 @@ class DedupMiddleware:
             fresh=len(claim.fresh),
             invalid=len(claim.invalid),
             busy=sum(1 for r in records if r.cause == BUSY),
+            mismatched=len(mismatched),
         )
+
+    def _mismatch(
+        self, message: MessageExt, key: str, detail: str, *, at: int, result: BatchResult
+    ) -> None:
+        """A copy of ``key`` with another payload than the completed one or the one this
+        call consumes: ``mismatch_policy`` decides. ``dead_letter`` sends it to the DLQ,
+        ``raise`` fails it like a listener's exception (retried on the delay ladder, then
+        dead-lettered), ``warn`` logs it; it is acknowledged as a duplicate otherwise."""
+        reason = f"payload_mismatch: {self.field} {key!r}: {detail}"
+        policy = self.dedup.config.mismatch_policy
+        if policy is MismatchPolicy.DEAD_LETTER:
+            result.dead[at] = reason
+        elif policy is MismatchPolicy.RAISE:
+            result.failed[at] = Failure(reason)
+        elif policy is MismatchPolicy.WARN and detail == CONFLICT_DETAIL:
+            # a completed key's mismatch is logged by the claim, once per batch
+            log.warning("%s (message %s acknowledged as a duplicate)", reason, message.msg_id)
 
     def _hold_back_after_busy(
         self,
@@ -456,10 +489,11 @@ class DedupMiddleware:
         here: list[int],
         result: BatchResult,
     ) -> list[int]:
-        """Orderly: the fresh messages after the first busy one (in queue order) wait with
-        it, busy too, their claims given back; returns the fresh rows that go on. Handed to
-        the listener now, they would reach the sink before the busy message, which the
-        queue consumes again only once its key is free."""
+        """Orderly: the fresh messages after the first one that goes back (in queue order:
+        a busy one, or a payload mismatch the ``raise`` policy fails) wait with it, busy
+        too, their claims given back; returns the fresh rows that go on. Handed to the
+        listener now, they would reach the sink before that message, which the queue
+        consumes again first."""
         first_busy = min(messages[i].queue_offset for i in result.failed)
         go: list[int] = []
         wait: list[int] = []
@@ -470,7 +504,7 @@ class DedupMiddleware:
             self.stats.add(fresh=-len(wait))
             for k in wait:
                 result.failed[here[k]] = self._busy(
-                    "busy: an earlier message of this orderly queue is busy"
+                    "busy: an earlier message of this orderly queue goes back first"
                 )
         return go
 
@@ -532,9 +566,7 @@ class DedupMiddleware:
         except Exception as exc:
             self._release(claim, done_k)
             for k in done_k:
-                result.failed.setdefault(
-                    here[k], store_outage(f"dedup commit failed: {exc}")
-                )
+                result.failed.setdefault(here[k], store_outage(f"dedup commit failed: {exc}"))
             return set()
         deferred.on_resolved(lambda failure: self._committed(item, claim, done_k, failure))
         if scope.defer_acks and not scope.orderly:

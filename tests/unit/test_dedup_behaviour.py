@@ -80,7 +80,24 @@ def test_a_changed_payload_is_reported(
     with caplog.at_level(logging.WARNING):
         again = dd.begin(["A", "A"], owner="q:1", fingerprints=["f2", "f2"])
     assert again.mismatched == (0,)
+    assert again.conflicting() == ()  # the copy has the kept row's payload
     assert "different payload" in caplog.text
+
+
+def test_a_copy_with_another_payload_than_the_kept_row_is_conflicting(
+    tmp_path: Path, any_redis: redis.Redis, clock: ManualClock
+) -> None:
+    dd = _dedup(tmp_path, any_redis, clock)
+    claim = dd.begin(
+        ["A", "B", "A", "A", "B"],
+        owner="q:0",
+        fingerprints=["f1", "g1", "f2", "f1", "g1"],
+        order=[2, 0, 1, 3, 4],  # row 2 is the kept "A" (e.g. a retry)
+    )
+    assert claim.fresh == (1, 2)
+    assert claim.conflicting() == (0, 3)
+    unprinted = dd.begin(["C", "C"], owner="q:0", fingerprints=["", "h1"])
+    assert unprinted.conflicting() == ()  # no fingerprint to tell them apart
 
 
 def test_metadata_and_payload_columns_land_in_the_ledger(

@@ -74,17 +74,31 @@ def test_a_fresh_claim_takes_every_new_key(store: RedisHotStore, clock: ManualCl
     assert state.lease_until_ms == clock.now_ms() + LEASE_MS
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["keys-named", "tracked"])
 def test_renew_extends_only_the_claims_the_owner_still_holds(
-    store: RedisHotStore, clock: ManualClock
+    store: RedisHotStore, clock: ManualClock, named: bool
 ) -> None:
+    """Named: the holder names its keys. Tracked: the claim recorded them under the owner
+    (``track``), and the holder renews without naming any (a Spark driver)."""
     held, released, done, theirs, absent = KEYS[:5], KEYS[5:8], KEYS[8:10], KEYS[10:12], KEYS[12:14]
-    store.claim(by_bucket(held + released + done), "a", min_version=-1)
+    calls = store.start_claim("a", min_version=-1, track=not named)
+    calls.add(by_bucket(held + released + done))
+    calls.result()
     store.claim(by_bucket(theirs), "b", min_version=-1)
     store.release(by_bucket(released), "a")
     store.complete(by_bucket(done), "a", dict.fromkeys(done, FP), version=0)
     clock.advance(20)  # of the 30 s lease
-    renewed = store.renew(by_bucket(held + released + done + theirs + absent), "a")
-    assert sorted(renewed) == sorted(held)
+    if named:
+        renewed = store.renew(by_bucket(held + released + done + theirs + absent), "a")
+        assert sorted(renewed) == sorted(held)
+    else:
+        assert store.renew_tracked("a") == len(held)
+        assert store.renew_tracked("a") == len(held)  # what is no longer held is forgotten
+        tracked = [store.owned_name(b, "a") for b in range(BUCKETS)]
+        assert sorted(k for name in tracked for k in store.client.hkeys(name)) == sorted(
+            k.encode() for k in held
+        )
+        assert store.renew_tracked("b") == 0  # b claimed without tracking
     states = store.lookup(by_bucket(held + released + done + theirs + absent))
     assert {states[k].lease_until_ms for k in held} == {clock.now_ms() + LEASE_MS}
     assert {states[k].attempt for k in held} == {1}
@@ -95,6 +109,24 @@ def test_renew_extends_only_the_claims_the_owner_still_holds(
     }
     clock.advance(20)  # a's first lease is over, the renewed one is not
     assert not store.claim(by_bucket(held), "b", min_version=-1).claimed
+
+
+def test_a_tracked_renewal_goes_through_many_keys_in_short_calls_and_ends_with_the_record(
+    store: RedisHotStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hotstore, "RENEW_SCAN", 50)  # keys one renew.lua call looks at
+    many = [f"K{n}" for n in range(2_000)]
+    calls = store.start_claim("q:7", min_version=-1, track=True)
+    calls.add(by_bucket(many))
+    assert len(calls.result().claimed) == len(many)
+    clock.advance(LEASE_MS / 1000 - 1)
+    assert store.renew_tracked("q:7") == len(many)
+    clock.advance(LEASE_MS / 1000 - 1)  # past the claim's lease, within the renewed one
+    assert store.claim(by_bucket(many), "other", min_version=-1).busy
+    assert not store.claim(by_bucket(many), "other", min_version=-1).claimed
+    store.untrack("q:7")
+    assert store.renew_tracked("q:7") == 0  # the claims stay; only the record is gone
+    assert store.lookup(by_bucket(many[:1]))[many[0]].owner == "q:7"
 
 
 def test_a_completed_key_is_a_duplicate_carrying_its_fingerprint(store: RedisHotStore) -> None:
