@@ -20,7 +20,6 @@ dead-lettered, and the resend path's audit holds.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -91,15 +90,21 @@ def _bgsave_status(client: redis.Redis) -> str:
 
 
 def _save_now(client: redis.Redis) -> str:
-    """Start a background save (unless one runs) and return its outcome, ``ok`` or ``err``."""
-    with contextlib.suppress(redis.ResponseError):  # one is running already
-        client.bgsave()
-    eventually(
-        lambda: not client.info("persistence")["rdb_bgsave_in_progress"],
-        timeout=30,
-        what="the background save ended",
-    )
-    return _bgsave_status(client)
+    """Run a background save that starts now (after any running one) and return its outcome,
+    ``ok`` or ``err``."""
+
+    def idle() -> bool:
+        return not client.info("persistence")["rdb_bgsave_in_progress"]
+
+    for _ in range(20):
+        eventually(idle, timeout=30, what="the running background save ended")
+        try:
+            client.bgsave()
+        except redis.ResponseError:  # Redis's own schedule started one meanwhile
+            continue
+        eventually(idle, timeout=30, what="the background save ended")
+        return _bgsave_status(client)
+    raise AssertionError("no background save could be started")
 
 
 class Full(StrEnum):
