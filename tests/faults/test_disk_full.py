@@ -1,20 +1,23 @@
 """A full disk under running consumers: the ledger, the retry journal and the DLQ, and Redis.
 
-The test mounts a small tmpfs of its own (as root or through ``sudo -n``; the
-fixture unmounts it whatever happens) and puts on it the group's data directory
-(the Delta ledger, retry journal and dead-letter table) and the data directory of
-the redis-server holding idem's claims, retry engine and offsets. The topic lives
-on a second redis-server and the sink on the ordinary disk. Two consumers with the
+The test mounts small tmpfs filesystems of its own (as root, or through ``sudo -n``;
+the fixture unmounts them whatever happens, and fails under CI, skips elsewhere,
+when mounting is not permitted): one holds the group's data directory (the Delta
+ledger, retry journal and dead-letter table), the other the data directory of the
+redis-server holding idem's claims, retry engine and offsets. The topic lives on a
+second redis-server and the sink on the ordinary disk. Two consumers with the
 dedup hook consume a first batch normally; then a filler file takes every free
-byte, so every Delta commit fails with ENOSPC, and Redis, whose background save
-now fails (``stop-writes-on-bgsave-error yes``), refuses writes with MISCONF.
+byte of the tables' filesystem (every Delta commit fails with ENOSPC), of Redis's
+(its background save fails and, with ``stop-writes-on-bgsave-error yes``, it
+refuses writes with MISCONF), or of both, while a second batch is produced.
 
-While the disk is full a second batch is produced. Checked from what the processes
-really left: no message of it is acknowledged (no consume offset passes it and
-nothing is journaled or dead-lettered for it), and the errors idem logs say the
-device is full and name the table's path. Once the filler is deleted: every key
-is in the ledger exactly once and in the sink (a function sink may see a key
-again whose ledger commit failed, as the guarantees say), nothing is
+Checked from what the processes really left: while the disk is full, no consume
+offset passes a key the ledger does not hold, at no moment is a message
+acknowledged without its key in the ledger or its send-back in the journal, and
+the errors idem logs say the device is full and name the table (or carry Redis's
+MISCONF). Once the filler is deleted: every key is in the ledger exactly once and
+in the sink (a function sink sees a key again whose ledger commit failed after its
+write, as the guarantees say; only keys consumed on the full disk), nothing is
 dead-lettered, and the resend path's audit holds.
 """
 

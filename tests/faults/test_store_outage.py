@@ -62,6 +62,7 @@ from idem.retry.consumer.rebalance import (
     DEFAULT_REBALANCE_INTERVAL_MS,
 )
 from idem.retry.faults import RESUBMIT_DELAY_MS, FaultTolerance
+from idem.retry.store import ScheduleStore
 
 pytestmark = pytest.mark.faults
 
@@ -153,8 +154,7 @@ class LiveRetries:
     thread; :attr:`worst` holds the most any key had at once."""
 
     def __init__(self, group: SplitGroup, client: redis.Redis, key_of: dict[str, str]) -> None:
-        self.engine = group.engines[0]
-        self.client = client
+        self.store = ScheduleStore(client, group.name)
         self.key_of = key_of
         self.worst: Counter[str] = Counter()
         self.seen: dict[str, list[str]] = {}
@@ -166,7 +166,7 @@ class LiveRetries:
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             try:
-                entries = list(self.engine.store.live_entries())
+                entries = list(self.store.live_entries())
             except redis.RedisError:
                 continue
             per_key: dict[str, list[str]] = {}
@@ -232,11 +232,10 @@ def _cases() -> list[object]:
     cases: list[object] = []
     for minutes in OUTAGE_MINUTES:
         for outage in Outage:
-            marks = (
-                [LONGER_THAN_THE_CONSUME_TIMEOUT]
-                if outage is Outage.CRASHED and minutes > 15
-                else []
-            )
+            # a full-length run outlasts the suite's default time-out
+            marks = [pytest.mark.timeout(600 + 6 * minutes * SCALE_S_PER_MINUTE)]
+            if outage is Outage.CRASHED and minutes > 15:
+                marks.append(LONGER_THAN_THE_CONSUME_TIMEOUT)
             cases.append(pytest.param(minutes, outage, marks=marks, id=f"{minutes:g}min-{outage}"))
     return cases
 
