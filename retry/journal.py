@@ -156,7 +156,9 @@ class RetryJournal:
                 write_deltalake(table, data, mode="append", commit_properties=props)
                 return Appended(table.version(), tuple(written))
 
-        return self.faults.delta(write, what=f"retry journal append to {self.path}", wrap=JournalError)
+        return self.faults.delta(
+            write, what=f"retry journal append to {self.path}", wrap=JournalError
+        )
 
     def _rows(
         self, events: Sequence[JournalEvent], app_id: str | None, txn_version: int | None
@@ -428,7 +430,9 @@ class RetryJournal:
             live = tuple(JournalEvent.from_row(r) for r in rows)
             return JournalBase(version=found, covers=int(info[BASE_OF]), live=live)
 
-        return self.faults.delta(read, what=f"retry journal base read of {self.path}", wrap=JournalError)
+        return self.faults.delta(
+            read, what=f"retry journal base read of {self.path}", wrap=JournalError
+        )
 
     def compact(self, *, now_ms: int, until: int | None = None) -> JournalBase | None:
         """Append a base: every message live as of version ``until`` (default: the newest).
