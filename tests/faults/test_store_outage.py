@@ -219,23 +219,12 @@ def _up(store: RedisServer, outage: Outage) -> None:
         store.start()
 
 
-LONGER_THAN_THE_CONSUME_TIMEOUT = pytest.mark.xfail(
-    strict=False,
-    reason=(
-        "a crashed store away longer than the consume timeout (15 min): a key can be "
-        "written to the sink twice, or have two live retries, once the store is back"
-    ),
-)
-
-
 def _cases() -> list[object]:
     cases: list[object] = []
     for minutes in OUTAGE_MINUTES:
         for outage in Outage:
             # a full-length run outlasts the suite's default time-out
             marks = [pytest.mark.timeout(600 + 6 * minutes * SCALE_S_PER_MINUTE)]
-            if outage is Outage.CRASHED and minutes > 15:
-                marks.append(LONGER_THAN_THE_CONSUME_TIMEOUT)
             cases.append(pytest.param(minutes, outage, marks=marks, id=f"{minutes:g}min-{outage}"))
     return cases
 
