@@ -330,7 +330,9 @@ class DeadLetterTable:
             added = metrics.get("num_target_rows_inserted", 0)
             return int(added) + int(metrics.get("num_target_rows_updated", 0))
 
-        return self.faults.delta(merge, what=f"write to {self.name}", wrap=DeadLetterError)
+        return self.faults.delta(
+            merge, what=f"write to {self.name} at {self.path}", wrap=DeadLetterError
+        )
 
     def _read(self) -> pa.Table:
         table = self._table(create=False)
@@ -346,7 +348,9 @@ class DeadLetterTable:
                     )
             return rows.select(DLQ_SCHEMA.names).cast(DLQ_SCHEMA)
 
-        return self.faults.delta(read, what=f"read {self.name}", wrap=DeadLetterError)
+        return self.faults.delta(
+            read, what=f"read {self.name} at {self.path}", wrap=DeadLetterError
+        )
 
     def list(
         self, *, status: DeadLetterStatus | None = None, limit: int | None = None
@@ -379,7 +383,9 @@ class DeadLetterTable:
                 .aggregate([([], "count_all")])
             )
 
-        rows = self.faults.delta(read, what=f"count {self.name}", wrap=DeadLetterError)
+        rows = self.faults.delta(
+            read, what=f"count {self.name} at {self.path}", wrap=DeadLetterError
+        )
         return {(str(r["topic"]), str(r["status"])): int(r["count_all"]) for r in rows.to_pylist()}
 
     def _set_status(
@@ -427,7 +433,9 @@ class DeadLetterTable:
             )
             return int(metrics.get("num_target_rows_updated", 0))
 
-        return self.faults.delta(update, what=f"update {self.name}", wrap=DeadLetterError)
+        return self.faults.delta(
+            update, what=f"update {self.name} at {self.path}", wrap=DeadLetterError
+        )
 
     def mark_replayed(
         self,

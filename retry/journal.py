@@ -156,7 +156,9 @@ class RetryJournal:
                 write_deltalake(table, data, mode="append", commit_properties=props)
                 return Appended(table.version(), tuple(written))
 
-        return self.faults.delta(write, what="retry journal append", wrap=JournalError)
+        return self.faults.delta(
+            write, what=f"retry journal append to {self.path}", wrap=JournalError
+        )
 
     def _rows(
         self, events: Sequence[JournalEvent], app_id: str | None, txn_version: int | None
@@ -290,7 +292,7 @@ class RetryJournal:
             )
             return [e for e in events if e[0] >= position], JournalPosition(latest + 1, 0)
 
-        return self.faults.delta(read, what="retry journal read", wrap=JournalError)
+        return self.faults.delta(read, what=f"retry journal read of {self.path}", wrap=JournalError)
 
     def events(self) -> list[JournalEvent]:
         """Every event, in journal order."""
@@ -428,7 +430,9 @@ class RetryJournal:
             live = tuple(JournalEvent.from_row(r) for r in rows)
             return JournalBase(version=found, covers=int(info[BASE_OF]), live=live)
 
-        return self.faults.delta(read, what="retry journal base read", wrap=JournalError)
+        return self.faults.delta(
+            read, what=f"retry journal base read of {self.path}", wrap=JournalError
+        )
 
     def compact(self, *, now_ms: int, until: int | None = None) -> JournalBase | None:
         """Append a base: every message live as of version ``until`` (default: the newest).

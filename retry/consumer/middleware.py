@@ -330,6 +330,18 @@ class DedupMiddleware:
         finally:
             self._unreserve(k for k in reserved if k not in kept)
 
+    def _renew_from_now(self, keys: Iterable[str]) -> None:
+        """The listener returned: these keys now wait for idem's own group commit, so their
+        renewal runs for a consume timeout from now, not from the call's start (a commit
+        queued behind others, e.g. retried while Redis was away, must not lose the lease
+        and let another owner write the key again)."""
+        now = self.dedup.clock.now_ms()
+        with self._lock:
+            inflight = self._inflight
+            for key in keys:
+                if key in inflight:
+                    inflight[key] = now
+
     def _unreserve(self, keys: Iterable[str]) -> None:
         with self._lock:
             inflight = self._inflight
@@ -396,9 +408,10 @@ class DedupMiddleware:
         A lease runs out after ``lease_ms`` (5 min) while the consume timeout is 15 min:
         without renewal, a listener slower than the lease lets another instance take its
         key, e.g. the copy the consume timeout sent back, and the sink gets it twice. A
-        key is renewed for up to ``consume_timeout_ms`` after its call reserved it: a
-        listener hung for good lets its key go a lease later, and a dead instance's
-        leases run out.
+        key is renewed for up to ``consume_timeout_ms`` after its call reserved it, and
+        once its listener returned, for up to ``consume_timeout_ms`` after that, while it
+        waits for its group commit: a listener hung for good lets its key go a lease
+        later, and a dead instance's leases run out.
         """
         config = self.dedup.config
         since = self.dedup.clock.now_ms() - config.consume_timeout_ms
@@ -561,6 +574,8 @@ class DedupMiddleware:
             buckets=[claim.buckets[k] for k in done_k] if claim.buckets else None,
             claimed_at_ms=claim.claimed_at_ms,
         )
+        # Before the submit: a commit that resolves at once ends the reservation after this.
+        self._renew_from_now(item.keys)
         try:
             deferred = self.committer.submit(item)
         except Exception as exc:

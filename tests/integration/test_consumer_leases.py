@@ -108,3 +108,39 @@ def test_a_hook_shared_by_two_consumers_renews_until_the_last_one_stops(
     time.sleep(1.1)  # one more lease
     assert other.hot.claim(grouped, "other", min_version=-1).claimed == ["ORDER-1"]
     call.join(10)
+
+
+def test_a_key_waiting_for_its_group_commit_keeps_its_claim_past_the_consume_timeout(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis
+) -> None:
+    """Lease 1 s, consume timeout 2 s. A listener of 1.5 s returns; its key then waits for
+    a group commit that starts 3 s later (e.g. behind commits retried while Redis was
+    away). The listener is done, so the key is no longer at the mercy of a hung listener:
+    it stays held until the commit, long past the consume timeout counted from the call's
+    start, and no other owner can take it and write it to the sink again."""
+    config = IdemConfig(
+        group="commit-wait",
+        redis_url=redis_server.url,
+        data_dir=str(tmp_path),
+        buckets=4,
+        lease_ms=1000,
+        consume_timeout_ms=2000,
+    )
+    hook = DedupMiddleware(Dedup(config), commit_interval_ms=3000)
+    other = Dedup(config)
+    message = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}")
+    scope = ConsumeScope(
+        mq=MessageQueue("orders", 0), client_id="c1", orderly=False, defer_acks=True
+    )
+    started = time.monotonic()
+    result = hook([message], scope, _slow(1.5))
+    assert list(result.pending) == [0], "the key waits for its group commit"
+    grouped = group_by_bucket(["ORDER-1"], 4)
+    # past the timeout and a lease (renewal without the listener's return ends by then),
+    # before the commit
+    time.sleep(max(0.0, started + 3.6 - time.monotonic()))
+    taken = other.hot.claim(grouped, "other", min_version=-1)
+    assert taken.busy == ["ORDER-1"], f"{time.monotonic() - started:.2f}s: {taken}"
+    assert hook.flush(10_000)
+    assert hook.stats.completed == 1
+    assert other.hot.claim(grouped, "other", min_version=-1).claimed == []

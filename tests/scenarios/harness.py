@@ -224,14 +224,7 @@ class Group:
 
     def assert_exactly_once(self, keys: Iterable[str]) -> None:
         """Every key in the sink's durable state exactly once, none lost, none extra."""
-        counts = self.sink.counts()
-        wanted = list(keys)
-        missing = [k for k in wanted if counts[k] == 0]
-        doubled = {k: n for k, n in counts.items() if n > 1}
-        extra = set(counts) - set(wanted)
-        assert not missing, f"lost: {missing[:10]}"
-        assert not doubled, f"written more than once: {dict(list(doubled.items())[:10])}"
-        assert not extra, f"unexpected keys: {sorted(extra)[:10]}"
+        assert_exactly_once(self.sink, keys)
 
     def close(self) -> None:
         """Shut every consumer down."""
@@ -239,6 +232,18 @@ class Group:
             consumer.shutdown()
         self.producer.shutdown()
         self.client.close()
+
+
+def assert_exactly_once(sink: FileSink, keys: Iterable[str]) -> None:
+    """Every key in ``sink``'s durable state exactly once, none lost, none extra."""
+    counts = sink.counts()
+    wanted = list(keys)
+    missing = [k for k in wanted if counts[k] == 0]
+    doubled = {k: n for k, n in counts.items() if n > 1}
+    extra = set(counts) - set(wanted)
+    assert not missing, f"lost: {missing[:10]}"
+    assert not doubled, f"written more than once: {dict(list(doubled.items())[:10])}"
+    assert not extra, f"unexpected keys: {sorted(extra)[:10]}"
 
 
 def offset_client(server: RedisServer) -> redis.Redis:
