@@ -4,10 +4,12 @@ Run by ``test_speculation.py`` as ``python speculation_job.py MASTER REDIS_URL D
 EVENTS_DIR`` against a standalone cluster of two single-core executors on two hosts.
 The first attempt of one claim task stalls after it has claimed its keys in Redis,
 so Spark starts a speculative copy of it on the other host; the copy claims the
-same keys under the batch's owner token, and its verdicts are the ones Spark keeps.
-Prints one JSON line per sink: how often the sink got each key, the batch's
-outcome counts, and the claim tasks Spark ran as speculative copies (read from
-Spark's event log, which records every task's attempt and whether it was one).
+same keys under the batch's owner token (the function sink's leases are its own
+owner's: retaken), and its verdicts are the ones Spark keeps. Prints one JSON line
+per sink: how often the sink got each key, the batch's outcome counts, how many
+keys each claim task had, and every attempt of the claim stage's tasks (from
+Spark's event log, which records each attempt, its host, whether it was a
+speculative copy and how it ended).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, QueryBuilder
 from pyspark.sql import DataFrame, SparkSession
 
-from idem.config import IdemConfig
+from idem.config import IdemConfig, LedgerEngine
 from idem.keys import bucket_of
 from idem.spark.decorator import ExactlyOnce
 from idem.spark.delta_sink import delta_sink
@@ -38,6 +40,8 @@ once three quarters of them have finished (``spark.speculation.quantile``)."""
 STALL_S = 60.0
 """How long the first attempt of the straggling task sleeps: Spark kills it as soon as
 its speculative copy succeeds, so this is only waited out when no copy ever runs."""
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+"""A short job: the JVMs start quickly rather than run at their peak."""
 CLAIM_STAGE = "MapInArrow"
 """The name Spark gives the claim stage's ``mapInArrow`` in a stage's RDD scopes."""
 
@@ -51,6 +55,8 @@ def main(master: str, url: str, data_dir: str, events: str) -> None:
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.executor.memory", "512m")
+        .config("spark.driver.extraJavaOptions", QUICK_JVM)
+        .config("spark.executor.extraJavaOptions", QUICK_JVM)
         .config("spark.sql.shuffle.partitions", str(CLAIM_TASKS))
         # Adaptive execution would coalesce the claim stage's small shuffle into one
         # task, and Spark never speculates a stage of one task.
@@ -126,7 +132,7 @@ def function_sink(
 ) -> dict[str, Any]:
     """The batch through an ``@exactly_once`` function (claims with leases)."""
     config = IdemConfig(group="speculation-fn", redis_url=url, data_dir=data, buckets=BUCKETS,
-                        engine="delta-rs")  # fmt: skip
+                        engine=LedgerEngine.DELTA_RS)  # fmt: skip
     given: Counter[str] = Counter()
 
     def record(fresh: DataFrame, batch_id: int) -> None:
@@ -150,7 +156,7 @@ def table_sink(
 ) -> dict[str, Any]:
     """The batch through ``delta_sink`` (its table is the ledger; no leases)."""
     config = IdemConfig(group="speculation-table", redis_url=url, data_dir=data,
-                        buckets=BUCKETS, engine="delta-rs")  # fmt: skip
+                        buckets=BUCKETS, engine=LedgerEngine.DELTA_RS)  # fmt: skip
     table = f"{data}/speculation-table"
     sink = delta_sink(table, key="order_id", config=config)
     sink.query_id = "q"

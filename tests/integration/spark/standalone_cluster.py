@@ -20,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -87,6 +87,9 @@ class StandaloneCluster:
             "SPARK_LOCAL_HOSTNAME": address,
             "SPARK_LOG_DIR": str(self.directory),
             "SPARK_CONF_DIR": str(self.directory / "conf"),
+            # Short-lived daemons: a quick start matters more than peak speed.
+            "SPARK_DAEMON_MEMORY": "256m",
+            "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         }
         with (self.directory / f"{name}.log").open("ab") as log:
             self._processes.append(
@@ -108,6 +111,8 @@ class StandaloneCluster:
             "127.0.0.1",
             *("--port", str(self.port), "--webui-port", "0"),
         )
+        # A worker that finds no master retries only after several seconds.
+        self._wait_for("the master to listen", lambda: _accepts(self.port))
         for host in self.hosts:
             self._start(
                 f"worker-{host}",
@@ -116,25 +121,27 @@ class StandaloneCluster:
                 *("--cores", "1", "--memory", self.worker_memory, "--webui-port", "0"),
                 *("--work-dir", str(self.directory / f"work-{host}"), self.master_url),
             )
-        self._wait_registered()
-
-    def _wait_registered(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
         master_log = self.directory / "master.log"
-        while time.monotonic() < deadline:
-            for process in self._processes:
-                if process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"a Spark standalone daemon exited: {self.log_tail()}")
+
+        def registered() -> bool:
             text = master_log.read_text(errors="replace") if master_log.is_file() else ""
-            if all(f"Registering worker {host}:" in text for host in self.hosts):
+            return all(f"Registering worker {host}:" in text for host in self.hosts)
+
+        self._wait_for("the workers to register", registered)
+
+    def _wait_for(self, what: str, done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(process.poll() is not None for process in self._processes):
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"a Spark standalone daemon exited: {tail}")
+            if done():
                 return
-            time.sleep(0.25)
+            time.sleep(0.2)
         tail = self.log_tail()
         self.stop()
-        raise RuntimeError(
-            f"the Spark standalone workers did not register in {START_TIMEOUT_S:g} s: {tail}"
-        )
+        raise RuntimeError(f"waited {START_TIMEOUT_S:g} s for {what}: {tail}")
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of each daemon's log (for a failure message)."""
@@ -173,6 +180,14 @@ class StandaloneCluster:
                 if (entry / "cwd").readlink().is_relative_to(self.directory):
                     found.append(int(entry.name))
         return found
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
