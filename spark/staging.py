@@ -24,6 +24,7 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -117,12 +118,13 @@ class Staging:
         """Remove the batch's files, and the staging directories left empty."""
         _, batch_path = pafs.FileSystem.from_uri(self._batch)
         self._clear(batch_path)
+        if not isinstance(self._fs, pafs.LocalFileSystem):
+            return  # an object store has no directories to leave behind
         for path in (self._query_path, self._query_path.rsplit("/", 1)[0]):
             try:
-                if not self._fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
-                    self._fs.delete_dir(path)
+                Path(path).rmdir()  # only when empty: another query may be staging there
             except OSError:
-                return  # another query's batch is staged there (or it went already)
+                return
 
     def _clear(self, path: str) -> None:
         try:
