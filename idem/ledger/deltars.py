@@ -380,10 +380,12 @@ class DeltaLedger:
                 )
                 # Nothing since the claim (the usual case): no copy of the rows.
                 fresh = source.index.filter(pc.invert(present)) if seen else source.index
+                # In memory the index is the rows; staged rows are filtered as they stream.
+                written = source.data(excluding=added) if source.streamed else fresh
                 try:
                     write_deltalake(
                         table,
-                        source.data(excluding=added),
+                        written,
                         mode="append",
                         writer_properties=WRITER_PROPERTIES,
                         schema_mode=None if _same_columns(source.schema, table) else "merge",
