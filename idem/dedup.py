@@ -29,6 +29,7 @@ from idem.hotstore import CompleteResult, HotStore, RedisHotStore
 from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats, OwnCommits
 from idem.keys import bucket_of, group_by_bucket
 from idem.ledger import Ledger, open_ledger
+from idem.ledger.staged import StagedRows
 from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
 
@@ -53,6 +54,27 @@ def _txn_version(batch_id: object) -> int:
             f"batch_id: {batch_id!r} must be a whole number 0..2**63-1 (the commit's txnVersion)"
         )
     return int(batch_id)
+
+
+def _with_payload(
+    rows: pa.Table,
+    payload: pa.Table | StagedRows | None,
+    *,
+    results: Mapping[int, str] | None,
+    now_ms: int,
+) -> pa.Table | StagedRows:
+    """The ledger ``rows`` with the user's columns: appended, or the staged rows they describe."""
+    if payload is None:
+        return rows
+    if payload.num_rows != rows.num_rows:
+        raise ValueError(f"payload: {payload.num_rows} rows for {rows.num_rows} succeeded rows")
+    if isinstance(payload, StagedRows):
+        if results:
+            raise ValueError("results: staged rows carry their own result column")
+        return payload.with_ledger_columns(rows, completed_at_ms=now_ms)
+    for name in payload.column_names:
+        rows = rows.append_column(payload.schema.field(name), payload.column(name))
+    return rows
 
 
 class Dedup:
@@ -186,7 +208,7 @@ class Dedup:
         batch_id: int,
         app_id: str | None = None,
         meta: pa.Table | None = None,
-        payload: pa.Table | None = None,
+        payload: pa.Table | StagedRows | None = None,
         results: Mapping[int, str] | None = None,
         defer_index: bool = False,
     ) -> CommitOutcome:
@@ -202,7 +224,10 @@ class Dedup:
         ``meta`` (aligned with the batch's input rows) may carry ``msg_id``,
         ``origin_msg_id``, ``topic``, ``queue_id``, ``queue_offset``;
         ``payload`` (aligned with the succeeded rows) adds the user's columns
-        so a Delta sink table can be its own ledger. ``app_id``/``batch_id``
+        so a Delta sink table can be its own ledger; as :class:`StagedRows` (the
+        succeeded rows, every column, kept in files) the commit streams them and
+        only their ledger columns are held here (``results`` cannot go with
+        them: the staged rows carry their own). ``app_id``/``batch_id``
         become the commit's ``txnAppId``/``txnVersion``: a replayed batch adds
         nothing.
         """
@@ -233,13 +258,7 @@ class Dedup:
             meta=meta,
             results=results,
         )
-        if payload is not None:
-            if payload.num_rows != len(indices):
-                raise ValueError(
-                    f"payload: {payload.num_rows} rows for {len(indices)} succeeded rows"
-                )
-            for name in payload.column_names:
-                rows = rows.append_column(payload.schema.field(name), payload.column(name))
+        commit_rows = _with_payload(rows, payload, results=results, now_ms=now)
         strict = self.config.mode is DedupMode.STRICT
         # When the commit cannot check the versions since the claim one by one, it MERGEs
         # on the rows completed within a horizon before the claim. A lease kept every
@@ -251,7 +270,7 @@ class Dedup:
         claimed_at = now if claim.claimed_at_ms is None else min(now, claim.claimed_at_ms)
         app = app_id or f"idem:{self.config.group}:{claim.owner}"
         result = self.ledger.commit(
-            rows,
+            commit_rows,
             app_id=app,
             txn_version=batch_id,
             match_since_ms=claimed_at - window,
@@ -385,7 +404,7 @@ class Dedup:
         batch_id: int,
         app_id: str,
         meta: pa.Table | None,
-        payload: pa.Table | None,
+        payload: pa.Table | StagedRows | None,
         results: Mapping[int, str] | None,
     ) -> CommitOutcome:
         """The batch's txn was committed before (a replay): complete only what the ledger holds.
@@ -412,8 +431,10 @@ class Dedup:
             batch_id,
             len(missing),
         )
-        rows = None
-        if payload is not None:
+        rows: pa.Table | StagedRows | None = None
+        if isinstance(payload, StagedRows):
+            rows = payload.only([k for k in keys if k not in present])
+        elif payload is not None:
             position = {i: n for n, i in enumerate(indices)}
             rows = payload.take(pa.array([position[i] for i in missing], pa.int64()))
         late = self.complete(

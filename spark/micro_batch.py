@@ -12,8 +12,9 @@
 3. **commit** of the accepted rows: their ledger rows are made on the executors
    (:mod:`idem.spark.ledger_rows`); on the delta-spark engine they are one Spark
    MERGE and the Redis index update runs on the executors too; on the embedded
-   delta-rs engine (one machine) the ledger columns — never the user's payload,
-   except the Delta sink's own — come to the driver, which commits them;
+   delta-rs engine the ledger columns — never the user's payload — come to the
+   driver, which commits them (a Delta sink's rows are staged as files by the
+   executors and streamed into the commit: :mod:`idem.spark.staging`);
 4. **send-back** of the rows that leave the batch (failed, bad, busy, mismatched
    by policy, not fitting the sink table): only these rows come to the driver;
 5. **record** of the batch's counters, then **ack** of the retry rows it consumed.
@@ -39,7 +40,9 @@ from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
 from idem.keys import group_by_bucket
 from idem.lease_keeper import LeaseKeeper
+from idem.ledger.deltars import DeltaLedger
 from idem.ledger.schema import LEDGER_SCHEMA
+from idem.ledger.staged import StagedRows
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
@@ -62,6 +65,7 @@ from idem.spark.send_back import (
     with_bodies,
 )
 from idem.spark.sink_result import SinkFunction, call_sink, failed_keys, quoted
+from idem.spark.staging import Staging
 from idem.spark.stats import StatsStore
 from idem.spark.verdicts import (
     BUCKET_COLUMN,
@@ -620,11 +624,27 @@ class MicroBatch:
 
     def _commit_on_driver(self, claimed: ClaimedBatch, rows: DataFrame, offered: int) -> _Commit:
         """The commit through :meth:`idem.dedup.Dedup.complete`, with the ledger columns
-        (and the Delta sink's payload) gathered on the driver: the delta-rs engine's
-        path, and any engine's for a replayed batch (whose commit completes only what the
-        earlier one lacked)."""
+        gathered on the driver: the delta-rs engine's path, and any engine's for a
+        replayed batch (whose commit completes only what the earlier one lacked).
+
+        A Delta sink's own columns stay off the driver on delta-rs: the executors
+        stage the rows as files the commit streams (:mod:`idem.spark.staging`).
+        """
         s = self.setup
-        table = rows.toArrow()
+        ledger = s.dedup.ledger
+        staging: Staging | None = None
+        if s.sink_columns and isinstance(ledger, DeltaLedger):
+            staging = Staging(ledger.path, self.app_id, self.batch_id)
+        try:
+            return self._complete(claimed, rows, staging)
+        finally:
+            if staging is not None:
+                staging.remove()
+
+    def _complete(self, claimed: ClaimedBatch, rows: DataFrame, staging: Staging | None) -> _Commit:
+        s = self.setup
+        # Without staging (the delta-spark engine's replay) the sink's columns come too.
+        table = rows.toArrow() if staging is None else rows.select(*_DRIVER_COLUMNS).toArrow()
         keys = table.column("key").to_pylist()
         claim = BatchClaim(
             owner=self.owner,
@@ -640,8 +660,12 @@ class MicroBatch:
             claimed_at_ms=claimed.claimed_at_ms,
         )
         meta = table.select(["msg_id", "origin_msg_id", "topic"])
-        payload_names = [n for n in table.column_names if n not in LEDGER_SCHEMA.names]
-        payload = table.select(payload_names) if s.sink_columns and payload_names else None
+        payload: pa.Table | StagedRows | None = None
+        if staging is not None:
+            payload = staging.stage(rows, table)
+        else:
+            payload_names = [n for n in table.column_names if n not in LEDGER_SCHEMA.names]
+            payload = table.select(payload_names) if s.sink_columns and payload_names else None
         result: CommitOutcome = s.dedup.complete(
             claim,
             batch_id=self.batch_id,
@@ -661,9 +685,12 @@ class MicroBatch:
         )
 
 
+_DRIVER_COLUMNS = ("key", "fingerprint", "bucket", "msg_id", "origin_msg_id", "topic")
+"""The ledger columns the driver's commit needs (the claim and the message ids)."""
+
+
 def _sample(rows: DataFrame, slipped: Sequence[str]) -> tuple[str, ...]:
     """Up to :data:`APPLIED_KEYS_SHOWN` of the committed keys."""
-
     keys = rows.select("key")
     if slipped:
         keys = _among(keys, slipped, column="key", keep=False)

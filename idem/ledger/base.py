@@ -22,6 +22,7 @@ from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig, LedgerEngine
 from idem.errors import ConfigError
 from idem.ledger.schema import LedgerIdentity
+from idem.ledger.staged import StagedRows
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -99,7 +100,7 @@ class Ledger(Protocol):
 
     def commit(
         self,
-        rows: pa.Table,
+        rows: pa.Table | StagedRows,
         *,
         app_id: str,
         txn_version: int,
@@ -115,7 +116,8 @@ class Ledger(Protocol):
         batch whose ``(app_id, txn_version)`` is already committed is a replay
         and commits nothing. Rows without ``completed_at`` get the ledger
         clock's now; columns the ledger does not know are written too (a sink
-        table that is its own ledger).
+        table that is its own ledger). :class:`StagedRows` are rows kept in
+        files (one per key), stamped with their ``completed_at_ms``.
         """
         ...
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -62,6 +63,7 @@ from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_inde
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     INDEX_SCHEMA,
+    LEDGER_SCHEMA,
     PARTITION_COLUMNS,
     LedgerIdentity,
     check_ledger_table,
@@ -72,6 +74,7 @@ from idem.ledger.schema import (
     recorded_writer,
     to_index_rows,
 )
+from idem.ledger.staged import StagedRows
 
 T = TypeVar("T")
 
@@ -196,7 +199,7 @@ class DeltaLedger:
 
     def commit(
         self,
-        rows: pa.Table,
+        rows: pa.Table | StagedRows,
         *,
         app_id: str,
         txn_version: int,
@@ -218,6 +221,11 @@ class DeltaLedger:
         (a Delta sink that is its own ledger). Conflicts with concurrent writers
         are retried (bounded, exponential, jittered) and then raise
         :class:`LedgerConflict`.
+
+        ``rows`` may be :class:`StagedRows`: the checks read their ledger columns
+        and the MERGE or append streams their files batch by batch, so the rows'
+        other columns are never all in this process's memory at once. Every staged
+        row is stamped with the same ``completed_at``, and a key may appear once.
         """
         if not app_id:
             raise LedgerError("app_id: must be a non-empty string")
@@ -226,7 +234,12 @@ class DeltaLedger:
         if self._already_committed(app_id, txn_version):  # a replay costs ~1 ms
             return CommitResult(version=None, inserted=0, replayed=True, attempts=0)
         now = self._clock.now_ms()
-        source, batch_duplicates = first_per_key(conform(rows, now_ms=now))
+        batch_duplicates: list[str] = []
+        if isinstance(rows, StagedRows):
+            source = _Source.streaming(rows, now_ms=now)
+        else:
+            table, batch_duplicates = first_per_key(conform(rows, now_ms=now))
+            source = _Source.in_memory(table)
         since = match_since_ms
         if since is None and self._dedup_window_ms is not None:
             since = now - self._dedup_window_ms
@@ -262,7 +275,7 @@ class DeltaLedger:
         return done is not None and done >= txn_version
 
     def _commit_once(
-        self, source: pa.Table, app_id: str, txn_version: int, since_ms: int | None
+        self, source: _Source, app_id: str, txn_version: int, since_ms: int | None
     ) -> CommitResult:
         with self._table_lock:
             table = self._latest()
@@ -282,11 +295,12 @@ class DeltaLedger:
             before = table.version()
             metrics = (
                 table.merge(
-                    source,
+                    source.data(),
                     predicate,
                     source_alias="s",
                     target_alias="t",
-                    streamed_exec=self._streamed_exec,
+                    # A streamed source is read once, as it comes: never held whole.
+                    streamed_exec=self._streamed_exec or source.streamed,
                     merge_schema=not _same_columns(source.schema, table),
                     writer_properties=WRITER_PROPERTIES,
                     commit_properties=CommitProperties(
@@ -302,7 +316,7 @@ class DeltaLedger:
                 # batch's txn anyway (a blind append of no rows) so a replay is seen.
                 write_deltalake(
                     table,
-                    source.slice(0, 0),
+                    source.schema.empty_table(),
                     mode="append",
                     commit_properties=CommitProperties(
                         app_transactions=[Transaction(app_id, txn_version)]
@@ -314,9 +328,9 @@ class DeltaLedger:
         self._saw_version(version)
         already: list[str] = []
         if inserted == 0:
-            already = source.column("key").to_pylist()
+            already = source.keys.to_pylist()
         elif inserted < source.num_rows:
-            already = self._already_present(source, version)
+            already = self._already_present(source.keys, version)
         return CommitResult(
             version=version,
             inserted=inserted,
@@ -325,7 +339,7 @@ class DeltaLedger:
         )
 
     def _append_checked(
-        self, source: pa.Table, app_id: str, txn_version: int, after_version: int
+        self, source: _Source, app_id: str, txn_version: int, after_version: int
     ) -> CommitResult | None:
         """Append the rows no version after ``after_version`` added, at exactly the next version.
 
@@ -357,18 +371,21 @@ class DeltaLedger:
                         return None  # cannot read what came since: the caller MERGEs
                     seen.append(changed.keys.column("key").combine_chunks())
                     checked = changed.version
-                keys = source.column("key")
+                keys = source.keys
+                added = pa.concat_arrays(seen) if seen else None
                 present = (
-                    pc.is_in(keys, value_set=pa.concat_arrays(seen))
-                    if seen
+                    pc.is_in(keys, value_set=added)
+                    if added is not None
                     else pa.repeat(False, source.num_rows)
                 )
                 # Nothing since the claim (the usual case): no copy of the rows.
-                fresh = source.filter(pc.invert(present)) if seen else source
+                fresh = source.index.filter(pc.invert(present)) if seen else source.index
+                # In memory the index is the rows; staged rows are filtered as they stream.
+                written = source.data(excluding=added) if source.streamed else fresh
                 try:
                     write_deltalake(
                         table,
-                        fresh,
+                        written,
                         mode="append",
                         writer_properties=WRITER_PROPERTIES,
                         schema_mode=None if _same_columns(source.schema, table) else "merge",
@@ -386,13 +403,13 @@ class DeltaLedger:
             return CommitResult(version=version, inserted=fresh.num_rows, already_present=already)
         raise CommitFailedError(f"{_APPEND_RACES} appends in a row lost the race for a version")
 
-    def _already_present(self, source: pa.Table, version: int) -> list[str]:
+    def _already_present(self, keys: pa.ChunkedArray, version: int) -> list[str]:
         """Source keys that our commit at ``version`` did not add (the ledger had them)."""
         try:
             entry = self._read_commit(version)
         except _log.HistoryGone as gone:
             raise LedgerError(f"ledger {self._uri}: {gone} vanished right after commit") from None
-        return keys_not_added(self._store, self._uri, entry, source.column("key"))
+        return keys_not_added(self._store, self._uri, entry, keys)
 
     # -- reading what was missed -------------------------------------------------
 
@@ -585,13 +602,13 @@ class DeltaLedger:
             identity=self._identity,
         )
 
-    def _create_with(self, source: pa.Table, app_id: str, txn_version: int) -> CommitResult:
+    def _create_with(self, source: _Source, app_id: str, txn_version: int) -> CommitResult:
         """Create the table with the first batch: one commit, version 0, so an index
         watermark at -1 (no table) moves to 0 with no gap of a data-less version."""
         try:
             write_deltalake(
                 self._uri,
-                source,
+                source.data(),
                 mode="error",
                 partition_by=list(PARTITION_COLUMNS),
                 writer_properties=WRITER_PROPERTIES,
@@ -610,7 +627,7 @@ class DeltaLedger:
                 # Another writer created it first: go again, as a MERGE this time.
                 raise CommitFailedError(f"the ledger was created concurrently: {exc}") from exc
             raise
-        self._added.remember_own(0, source)  # mode="error" wrote version 0
+        self._added.remember_own(0, source.index)  # mode="error" wrote version 0
         # Our commit is version 0 whatever others appended since (reading the table's
         # version now could name theirs).
         self._saw_version(0)
@@ -648,3 +665,75 @@ def _same_columns(schema: pa.Schema, table: DeltaTable) -> bool:
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+_STAMPED = ("completed_at", "completed_date")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The rows of one commit: in memory, or streamed from staged files.
+
+    ``index`` holds the conformed ledger columns of every row (for rows in
+    memory, the rows themselves); the checks read only it. :meth:`data` is what
+    the MERGE or append writes.
+    """
+
+    index: pa.Table
+    schema: pa.Schema
+    staged: StagedRows | None = None
+    now_ms: int = 0
+
+    @classmethod
+    def in_memory(cls, rows: pa.Table) -> _Source:
+        return cls(index=rows, schema=rows.schema)
+
+    @classmethod
+    def streaming(cls, staged: StagedRows, *, now_ms: int) -> _Source:
+        """``staged`` stamped at its ``completed_at_ms`` (else ``now_ms``), one row per key."""
+        at = now_ms if staged.completed_at_ms is None else staged.completed_at_ms
+        ledger_columns = [n for n in staged.keys.column_names if n in LEDGER_SCHEMA.names]
+        index = _stamped(staged.keys.select(ledger_columns), at)
+        unique = len(pc.unique(index.column("key")))
+        if unique != index.num_rows:
+            raise LedgerError(
+                f"staged rows: {index.num_rows - unique} key(s) appear more than once "
+                "(stage one row per key)"
+            )
+        schema = _stamped(staged.schema.empty_table(), at).schema
+        return cls(index=index, schema=schema, staged=staged, now_ms=at)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the rows are read from staged files as they are written."""
+        return self.staged is not None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.index.num_rows)
+
+    @property
+    def keys(self) -> pa.ChunkedArray:
+        return self.index.column("key")
+
+    def data(self, excluding: pa.Array | None = None) -> pa.Table | pa.RecordBatchReader:
+        """The rows to write, without those whose key is in ``excluding``."""
+        if self.staged is None:  # in memory: the index is the rows
+            if excluding is None:
+                return self.index
+            return self.index.filter(pc.invert(pc.is_in(self.keys, value_set=excluding)))
+        batches = self._batches(self.staged, excluding)
+        return pa.RecordBatchReader.from_batches(self.schema, batches)
+
+    def _batches(self, staged: StagedRows, excluding: pa.Array | None) -> Iterator[pa.RecordBatch]:
+        for batch in staged.batches():
+            rows = _stamped(pa.Table.from_batches([batch]), self.now_ms)
+            if excluding is not None:
+                rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), value_set=excluding)))
+            yield from rows.cast(self.schema).to_batches()
+
+
+def _stamped(rows: pa.Table, now_ms: int) -> pa.Table:
+    """``rows`` conformed to the ledger's columns, every row completed at ``now_ms``."""
+    kept = [n for n in rows.column_names if n not in _STAMPED]
+    return conform(rows.select(kept), now_ms=now_ms)

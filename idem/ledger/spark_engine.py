@@ -55,6 +55,7 @@ from idem.ledger.schema import (
     first_per_key,
     to_index_rows,
 )
+from idem.ledger.staged import StagedRows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -187,7 +188,7 @@ class SparkDeltaLedger:
 
     def commit(
         self,
-        rows: pa.Table,
+        rows: pa.Table | StagedRows,
         *,
         app_id: str,
         txn_version: int,
@@ -203,8 +204,12 @@ class SparkDeltaLedger:
         offered but not inserted are ``already_present``, read from the very
         commit that skipped them. Columns the ledger does not know are added to
         the table. Conflicts with concurrent writers are retried (bounded,
-        jittered) and then raise :class:`LedgerConflict`.
+        jittered) and then raise :class:`LedgerConflict`. :class:`StagedRows`
+        are read whole into memory here (a large batch goes through
+        :meth:`commit_frame`).
         """
+        if isinstance(rows, StagedRows):
+            rows = rows.read_all()
         if not app_id:
             raise LedgerError("app_id: must be a non-empty string")
         if txn_version < 0:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
@@ -34,6 +35,7 @@ from idem.ledger import (
 )
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
 from idem.ledger.schema import LedgerIdentity
+from idem.ledger.staged import StagedRows, parquet_opener
 
 pytestmark = pytest.mark.integration
 
@@ -864,3 +866,73 @@ def test_a_spark_ledger_commits_rows_that_stay_a_dataframe(
     assert ledger.version() == 1
     amounts = spark.read.format("delta").load(ledger.path).where("amount IS NOT NULL")
     assert sorted(r["amount"] for r in amounts.collect()) == [1, 2]  # B and C's
+
+
+def staged(
+    directory: Path, keys: Sequence[str], clock: ManualClock, *, completed_at_ms: int
+) -> StagedRows:
+    """``keys``' rows with an ``amount`` column, written as two Parquet files (as two
+    Spark tasks stage them) and held as their ledger columns alone."""
+    rows = rows_for(keys, clock).append_column(
+        "amount", pa.array([float(len(k)) * 1.5 for k in keys])
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    half = rows.num_rows // 2
+    files = []
+    for n, part in enumerate((rows.slice(0, half), rows.slice(half))):
+        files.append(str(directory / f"part-{n}.parquet"))
+        pq.write_table(part, files[-1])
+    return StagedRows(
+        keys=rows.select(LEDGER_SCHEMA.names),
+        schema=rows.schema,
+        open=parquet_opener(files, rows.schema),
+        completed_at_ms=completed_at_ms,
+    )
+
+
+def test_staged_rows_are_committed_like_rows_in_memory_by_every_path_of_delta_rs(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """A Delta sink's rows streamed from staged files: table creation, the MERGE and the
+    checked append each insert only the keys the ledger lacks, with the user's column."""
+    ledger = DeltaLedger(str(tmp_path / "ledger"), clock=clock)
+    horizon = clock.now_ms() - LEASE_MS
+    stamp = clock.now_ms() + 5
+
+    def go(name: str, keys: Sequence[str], **options: Any) -> Any:
+        rows = staged(tmp_path / name, keys, clock, completed_at_ms=stamp)
+        return ledger.commit(rows, app_id=name, txn_version=0, match_since_ms=horizon, **options)
+
+    created = go("create", ["AA", "B"], match_after_version=None)
+    assert (created.version, created.inserted) == (0, 2)
+    merged = go("merge", ["B", "CCC", "D"], match_after_version=None)  # B slipped
+    assert (merged.inserted, merged.already_present) == (2, ["B"])
+    # Claimed when the index had version 0: D, committed since, is caught batch by batch.
+    appended = go("append", ["D", "EE", "F"], match_after_version=0)
+    assert (appended.inserted, appended.already_present) == (2, ["D"])
+    assert go("append", ["D", "EE", "F"], match_after_version=0).replayed
+    assert ledger.audit() == []
+    stored = pa.table(
+        QueryBuilder()
+        .register("sink", DeltaTable(str(tmp_path / "ledger")))
+        .execute("SELECT key, amount, completed_at, completed_date FROM sink ORDER BY key")
+        .read_all()
+    )
+    assert stored.column("key").to_pylist() == ["AA", "B", "CCC", "D", "EE", "F"]
+    assert stored.column("amount").to_pylist() == [3.0, 1.5, 4.5, 1.5, 3.0, 1.5]
+    stamped = {int(t.timestamp() * 1000) for t in stored.column("completed_at").to_pylist()}
+    assert stamped == {stamp}
+    # What Redis is told of these commits matches the files (key, fingerprint, instant).
+    changed = ledger.keys_added_since(-1)
+    assert changed is not None
+    assert sorted(changed.keys.column("key").to_pylist()) == ["AA", "B", "CCC", "D", "EE", "F"]
+
+
+def test_staged_rows_that_repeat_a_key_are_refused_naming_the_cause(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    ledger = DeltaLedger(str(tmp_path / "ledger"), clock=clock)
+    rows = staged(tmp_path / "dup", ["A", "A"], clock, completed_at_ms=clock.now_ms())
+    with pytest.raises(LedgerError, match="1 key\\(s\\) appear more than once"):
+        ledger.commit(rows, app_id="q", txn_version=0, match_since_ms=None)
+    assert ledger.version() == -1  # nothing written
