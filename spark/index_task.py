@@ -62,6 +62,21 @@ class IndexedVersion:
     their keys catches them up from the ledger."""
 
 
+def _bucket_order(
+    batches: Iterable[pa.RecordBatch],
+) -> tuple[pa.Table, pa.Array, list[str], dict[int, list[str]]] | None:
+    """A task's rows, the order that sorts them by bucket, their keys in that order and
+    the keys by bucket (``None``: the task has no rows)."""
+    received = [b for b in batches if b.num_rows]
+    if not received:
+        return None
+    table = pa.Table.from_batches(received).combine_chunks()
+    buckets = table.column(BUCKET_COLUMN).to_numpy()
+    order = np.argsort(buckets, kind="stable")
+    keys = table.column(KEY_COLUMN).take(pa.array(order)).to_pylist()
+    return table, pa.array(order), keys, split_by_bucket(keys, buckets[order])
+
+
 @dataclass(frozen=True)
 class IndexTask:
     """The index update of one task's buckets; ``mapInArrow`` calls it on an executor.
@@ -83,17 +98,11 @@ class IndexTask:
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """Index the task's committed keys; one result row (called once per task)."""
-        received = [b for b in batches if b.num_rows]
-        if not received:
+        task = _bucket_order(batches)
+        if task is None:
             return
-        table = pa.Table.from_batches(received).combine_chunks()
-        buckets = table.column(BUCKET_COLUMN).to_numpy()
-        order = np.argsort(buckets, kind="stable")
-        keys = table.column(KEY_COLUMN).take(pa.array(order)).to_pylist()
-        prints_column = table.column(FINGERPRINT_TEXT_COLUMN)
-        prints_column = pc.fill_null(prints_column, "")
-        prints = prints_column.take(pa.array(order)).to_pylist()
-        grouped = split_by_bucket(keys, buckets[order])
+        table, order, keys, grouped = task
+        prints = pc.fill_null(table.column(FINGERPRINT_TEXT_COLUMN), "").take(order).to_pylist()
         store = RedisHotStore.from_config(
             self.config,
             client=redis_client(self.config.redis_url),
@@ -167,17 +176,14 @@ class ReleaseTask:
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """Release the task's keys; one result row with how many were released."""
-        received = [b for b in batches if b.num_rows]
-        if not received:
+        task = _bucket_order(batches)
+        if task is None:
             return
-        table = pa.Table.from_batches(received).combine_chunks()
-        buckets = table.column(BUCKET_COLUMN).to_numpy()
-        order = np.argsort(buckets, kind="stable")
-        keys = table.column(KEY_COLUMN).take(pa.array(order)).to_pylist()
+        grouped = task[3]
         store = RedisHotStore.from_config(
             self.config, client=redis_client(self.config.redis_url), clock=SYSTEM_CLOCK
         )
-        released = store.release(split_by_bucket(keys, buckets[order]), self.owner)
+        released = store.release(grouped, self.owner)
         yield pa.record_batch([pa.array([released], pa.int64())], names=["released"])
 
 
