@@ -66,6 +66,9 @@ CONFIGS: Mapping[str, Mapping[str, str]] = {
     "delta_sink/delta-rs": {},
     "parquet": LIMITED,
 }
+DEFAULT_MASTER = "local-cluster[2,1,2048]"
+"""Executors in JVMs of their own (2 GiB each): the driver's figures are the driver's alone.
+With ``local[N]`` the executors' work runs inside the driver's JVM and counts as its."""
 HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
@@ -159,12 +162,12 @@ def make_sink(config: str, root: Path, server: Any) -> Any:
     return write
 
 
-def child(config: str, source: Path, root: Path, out: Path) -> int:
+def child(config: str, source: Path, root: Path, out: Path, master: str) -> int:
     """Run one micro-batch through ``config`` in this (driver) process; results to ``out``."""
     from idem.redis_server import RedisServer
 
     result: dict[str, Any] = {"config": config}
-    spark = delta_session("local[2]", CONFIGS[config])
+    spark = delta_session(master, CONFIGS[config])
     server = RedisServer()
     server.start()
     heap = JvmHeap(spark)
@@ -202,12 +205,12 @@ def child(config: str, source: Path, root: Path, out: Path) -> int:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def measure(config: str, source: Path, root: Path, timeout: float) -> dict[str, Any]:
+def measure(config: str, source: Path, root: Path, timeout: float, master: str) -> dict[str, Any]:
     """Start one driver on ``source``; sample its Python's and its JVM's RSS until it ends."""
     root.mkdir(parents=True)
     out, log = root / "result.json", root / "driver.log"
     command = [sys.executable, __file__, "--child", config, "--source", str(source)]
-    command += ["--root", str(root), "--out", str(out)]
+    command += ["--root", str(root), "--out", str(out), "--master", master]
     peaks = {"python": 0, "jvm": 0, "driver": 0}
     started = time.monotonic()
     with log.open("wb") as stderr:
@@ -272,13 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the temporary directory (and the drivers' logs)"
     )
+    parser.add_argument(
+        "--master",
+        default=DEFAULT_MASTER,
+        help="Spark master of each driver (default: two executor JVMs of their own)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--source", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args.child, args.source, args.root, args.out)
+        return child(args.child, args.source, args.root, args.out, args.master)
     if args.quick:
         args.rows, args.small = 20_000, 2_000
     configs = [c for c in args.configs.split(",") if c]
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         size = (root / f"in-{args.rows}" / "batch.parquet").stat().st_size
         print(
             f"one micro-batch of {args.rows:,} rows ({size / MIB:.0f} MiB as parquet) "
-            f"against one of {args.small:,}; each in its own driver process",
+            f"against one of {args.small:,}; each in its own driver process on {args.master}",
             flush=True,
         )
         results: dict[tuple[str, int], dict[str, Any]] = {}
@@ -305,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{config}: {', '.join(f'{k}={v}' if v else k for k, v in limits.items())}")
             for rows in sizes:
                 run_root = root / "run" / f"{config.replace('/', '-')}-{rows}"
-                result = measure(config, root / f"in-{rows}", run_root, args.timeout)
+                result = measure(config, root / f"in-{rows}", run_root, args.timeout, args.master)
                 results[config, rows] = result
                 print(describe(config, rows, result), flush=True)
                 if not args.keep:
