@@ -10,6 +10,10 @@
 --   instant(arg)        the now (epoch ms) a script decides leases and the dedup
 --                       window by: Redis's own clock (TIME) when arg is empty, else
 --                       arg itself (the instant of a caller's injected test clock)
+--   newest_claims(tag, keys, now, pwidth, span)
+--                       the claim generation hashes at now, newest first, and each
+--                       key's newest claim: pgen, hashes, held[j] (its value),
+--                       where[j] (the index of its hash)
 --
 -- Redis's clock, not the caller's, decides: a client whose clock is stepped or
 -- runs ahead can neither take over a live lease nor see a completed key as new.
@@ -70,4 +74,26 @@ local function instant(arg)
     return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
   return tonumber(arg)
+end
+
+local function newest_claims(tag, keys, now, pwidth, span)
+  local pgen = math.floor(now / pwidth)
+  local hashes = {}
+  for i = 0, span do
+    hashes[i + 1] = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
+  end
+  local held, where = {}, {}
+  for i = 1, #hashes do
+    -- Claims leave their hash when their keys complete, so between batches the
+    -- claim generations are usually gone: no lookup then.
+    if present(hashes[i]) then
+      local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
+      for j = 1, #keys do
+        if values[j] and not held[j] then
+          held[j], where[j] = values[j], i
+        end
+      end
+    end
+  end
+  return pgen, hashes, held, where
 end

@@ -41,7 +41,7 @@
 -- (as R or X below) for at least width. Every lookup and write is one C-level
 -- command per chunk and hash (HMGET, HSET, HDEL), none per key.
 --
--- Uses sliced/gathered/present/declared/instant from _prelude.lua (prepended when the script is loaded).
+-- Uses sliced/gathered/present/declared/instant/newest_claims from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {0} when the watermark is missing, below min_version or written for
 -- another window: nothing was claimed, the caller must catch the index up first.
@@ -99,24 +99,7 @@ local prev = looked_up(previous)
 local ahead = looked_up(following)  -- usually absent: one EXISTS
 
 -- The claim generations, newest first; held[j] / where[j]: a key's newest claim.
-local pgen = math.floor(now / pwidth)
-local hashes = {}
-for i = 0, span do
-  hashes[i + 1] = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
-end
-local held, where = {}, {}
-for i = 1, #hashes do
-  -- Claims leave their hash when their keys complete, so between batches the
-  -- claim generations are usually gone: no lookup then.
-  if present(hashes[i]) then
-    local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
-    for j = 1, n do
-      if values[j] and not held[j] then
-        held[j], where[j] = values[j], i
-      end
-    end
-  end
-end
+local pgen, hashes, held, where = newest_claims(tag, keys, now, pwidth, span)
 
 local reply = {1, ''}
 local codes = {}

@@ -23,7 +23,7 @@
 -- holder that stops renewing (its process died) lets it run out with its leases.
 -- C-level calls per call and hash (HMGET, HSET, HDEL), none per key.
 --
--- Uses gathered/sliced/present/declared/instant from _prelude.lua (prepended when the script is loaded).
+-- Uses gathered/sliced/present/declared/instant/newest_claims from _prelude.lua (prepended when the script is loaded).
 --
 -- Returns {cursor, renewed}: the cursor of the next call ('0': the whole hash was seen)
 -- and how many leases this call renewed.
@@ -46,22 +46,7 @@ local now = instant(ARGV[3])
 local lease_until = string.format('%d', now + tonumber(ARGV[4]))
 local pwidth, span = string.match(ARGV[5], '^(%d+):(%d+)$')
 pwidth, span = tonumber(pwidth), tonumber(span)
-local pgen = math.floor(now / pwidth)
-local hashes = {}
-for i = 0, span do
-  hashes[i + 1] = declared(tag .. ':p:' .. pwidth .. ':' .. (pgen - i))
-end
-local held, where = {}, {}
-for i = 1, #hashes do
-  if present(hashes[i]) then
-    local values = gathered(keys, function(...) return redis.call('HMGET', hashes[i], ...) end)
-    for j = 1, n do
-      if values[j] and not held[j] then
-        held[j], where[j] = values[j], i
-      end
-    end
-  end
-end
+local pgen, hashes, held, where = newest_claims(tag, keys, now, pwidth, span)
 
 local head = 'P|' .. owner .. '|'
 local writes, nw = {}, 0
