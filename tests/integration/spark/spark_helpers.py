@@ -1,8 +1,11 @@
-"""Helpers shared by the Spark tests: order files, sink tables, DLQ rows."""
+"""Helpers shared by the Spark tests: order files, sink tables, DLQ rows, job processes."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -88,3 +91,21 @@ def delta_run(tmp_path: Path, source: str | Path | None = None, **extra: Any) ->
         available_now=True,
         **extra,
     )
+
+
+def run_job(script: Path, *args: str, timeout: float) -> list[dict[str, Any]]:
+    """Run the Spark job ``script`` in a process of its own (its own session and driver
+    settings), Spark's Python workers on this interpreter; the JSON lines it printed.
+    Fails the test with the end of its stderr when it does not exit 0."""
+    python = sys.executable
+    env = {**os.environ, "PYSPARK_PYTHON": python, "PYSPARK_DRIVER_PYTHON": python}
+    done = subprocess.run(
+        [python, str(script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]

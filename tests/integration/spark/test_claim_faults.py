@@ -9,13 +9,10 @@ key of the batch must still be claimed by exactly one of its rows.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from spark_helpers import run_job
 
 from idem.redis_server import RedisServer
 
@@ -27,17 +24,8 @@ JOB = Path(__file__).with_name("claim_faults_job.py")
 def test_every_key_is_claimed_once_through_a_task_failure_and_a_killed_worker(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    done = subprocess.run(
-        [sys.executable, str(JOB), redis_server.url, str(tmp_path / "idem-data")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    reports = {r["scenario"]: r for r in map(json.loads, done.stdout.splitlines())}
+    lines = run_job(JOB, redis_server.url, str(tmp_path / "idem-data"), timeout=540)
+    reports = {r["scenario"]: r for r in lines}
     claims = {"task_fails_after_claiming", "worker_killed_mid_claim"}
     assert set(reports) == claims | {f"sinks_{name}" for name in claims}
     for name in claims:

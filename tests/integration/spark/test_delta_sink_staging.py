@@ -8,10 +8,6 @@ executors wrote, which the commit streams, and the staging is gone afterwards.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +16,7 @@ import pytest
 import redis
 from pyspark.sql import SparkSession
 from pyspark.sql import types as st
-from spark_helpers import config_for, sink_key_counts, sink_rows
+from spark_helpers import config_for, run_job, sink_key_counts, sink_rows
 
 from idem.redis_server import RedisServer
 from idem.spark.decorator import ExactlyOnce
@@ -40,17 +36,7 @@ def test_a_batch_far_larger_than_the_drivers_result_limit_is_written_once(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     # A fresh session of its own: spark.driver.maxResultSize is fixed when it starts.
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    done = subprocess.run(
-        [sys.executable, str(JOB), redis_server.url, str(tmp_path / "idem-data")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=540,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = run_job(JOB, redis_server.url, str(tmp_path / "idem-data"), timeout=540)[-1]
     assert report["applied"] == report["keys"] == 12_000
     assert report["rows_per_key"] == [1]
     assert report["numbers"] is True  # every row's own columns arrived with it
