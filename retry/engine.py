@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPACT_INTERVAL_MS = 6 * 3_600_000
 """How often a running schedule service compacts its group's retry journal (one of them)."""
 
+
 class SendBackStatus(StrEnum):
     """Where a failed message ended up."""
 
