@@ -54,16 +54,14 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(p) for p in (_HERE, _HERE.parent, _HERE.parent / "scenarios")]
 
-import redis  # noqa: E402
 from c10_runs import idem_run, order_files  # noqa: E402
 from checks import (  # noqa: E402
     acknowledged_but_not_durable,
     ledger_keys,
     ledger_owners,
-    main_topic_messages,
 )
 from deltalake import DeltaTable  # noqa: E402
-from harness import TOPIC, FileSink  # noqa: E402
+from harness import FileSink  # noqa: E402
 
 from idem.config import IdemConfig, LedgerEngine  # noqa: E402
 from idem.delay_levels import DelayLevels  # noqa: E402
@@ -101,6 +99,9 @@ MESSAGES = 16
 """Messages of one consumer run, over four queues."""
 FAIL_FIRST = 5
 """Of those, how many fail their first attempt (and go through the send-back)."""
+PRODUCE_GAP_S = (0.02, 0.08)
+"""Seconds between two messages: a stream, so that offsets are persisted (every 300 ms)
+while other keys still wait for their group commit (every 200 ms)."""
 LEASE_MS = 1_000
 """The dedup lease: a killed consumer's in-flight keys are free again this long after."""
 SPARK_BATCHES = 4
@@ -241,12 +242,18 @@ class Matrix:
     def consumer_run(self, point: str, repeat: int, rng: random.Random) -> Run:
         """Kill a consumer process at ``point`` on the key the seed picks, restart it."""
         keys = [f"K{repeat}-{i:03d}" for i in range(MESSAGES)]
-        fail_first = sorted(rng.sample(keys, FAIL_FIRST))
-        chosen = rng.choice(fail_first if point in SEND_BACK_POINTS else keys)
+        # the kill comes in the stream's second half: the tables exist by then, and group
+        # commits, offset persists and send-backs run at their pace around it
+        half = MESSAGES // 2
+        late = sorted(rng.sample(keys[half:], FAIL_FIRST - FAIL_FIRST // 2))
+        fail_first = sorted(rng.sample(keys[:half], FAIL_FIRST // 2)) + late
+        chosen = rng.choice(late if point in SEND_BACK_POINTS else keys[half:])
+        gaps = [rng.uniform(*PRODUCE_GAP_S) for _ in keys]
         run = Run(point, repeat, chosen)
         work = self.base / f"{point}-{repeat}"
         (work / "logs").mkdir(parents=True)
         group = f"km-{uuid.uuid4().hex[:8]}"
+        topic = f"orders-{group}"  # a topic of its own: runs share the redis-server
         config = IdemConfig(
             group=group,
             redis_url=self.server.url,
@@ -263,14 +270,21 @@ class Matrix:
             "lease_ms": LEASE_MS,
             "fail_first": fail_first,
             "sink": str(sink.path),
+            "topic": topic,
         }
         client = connect(self.server.url)
         topics = TopicStore(client)
-        topics.create_topic(TOPIC, 4)
+        topics.create_topic(topic, 4)
         producer = Producer(f"{group}-producer", client=client)
-        producer.send_batch([new_message(TOPIC, k.encode(), keys=k) for k in keys])
-        producer.shutdown()
+
+        def produce() -> None:
+            for key, gap in zip(keys, gaps, strict=True):
+                time.sleep(gap)
+                producer.send(new_message(topic, key.encode(), keys=key))
+
         killed = _start(work, {**spec, "name": "c1", "kill": {"point": point, "key": chosen}})
+        producing = threading.Thread(target=produce, daemon=True, name="kill-matrix-producer")
+        producing.start()
         survivor: subprocess.Popen[bytes] | None = None
         try:
             try:
@@ -285,15 +299,17 @@ class Matrix:
             survivor = _start(work, {**spec, "name": "c2"})
             store = ScheduleStore(client, group)
             deadline = killed_at + SETTLE_TIMEOUT_S
-            while not _settled(keys, sink, topics, store, client, group):
+            while not _settled(keys, sink, topics, topic, store, group):
                 if time.monotonic() > deadline or survivor.poll() is not None:
                     run.problems.append(f"not settled {SETTLE_TIMEOUT_S:.0f}s after the kill")
                     break
                 time.sleep(0.02)
             else:
                 run.recovery_s = time.monotonic() - killed_at
-            _judge_consumer(run, keys, sink, config, client)
+            _judge_consumer(run, keys, sink, config, topics, topic)
         finally:
+            producing.join()
+            producer.shutdown()
             for proc in (killed, survivor):
                 if proc is not None and proc.poll() is None:
                     proc.kill()
@@ -373,21 +389,26 @@ def _settled(  # noqa: PLR0917 -- one check, every piece it reads
     keys: Sequence[str],
     sink: FileSink,
     topics: TopicStore,
+    topic: str,
     store: ScheduleStore,
-    client: redis.Redis,
     group: str,
 ) -> bool:
     """Every key in the sink, every queue consumed to its end, no retry pending."""
     if not sink.has_all(keys):
         return False
-    stored = consumer_offsets(client, group)
-    if any(stored.get(mq, -1) < topics.max_offset(mq) for mq in topics.message_queues(TOPIC)):
+    stored = consumer_offsets(topics.client, group)
+    if any(stored.get(mq, -1) < topics.max_offset(mq) for mq in topics.message_queues(topic)):
         return False
     return store.pending() == 0
 
 
-def _judge_consumer(
-    run: Run, keys: Sequence[str], sink: FileSink, config: IdemConfig, client: redis.Redis
+def _judge_consumer(  # noqa: PLR0917 -- one judgement, every piece it reads
+    run: Run,
+    keys: Sequence[str],
+    sink: FileSink,
+    config: IdemConfig,
+    topics: TopicStore,
+    topic: str,
 ) -> None:
     """Lost and duplicated keys, from the sink, the ledger, the offsets and the retry side."""
     rows = sink.rows()
@@ -395,7 +416,8 @@ def _judge_consumer(
     wanted = set(keys)
     in_ledger = ledger_keys(config)
     lost = sorted(k for k in wanted if counts[k] == 0 or in_ledger[k] == 0)
-    unacked = acknowledged_but_not_durable(client, config, main_topic_messages(client))
+    messages = [m for mq in topics.message_queues(topic) for m in topics.messages(mq)]
+    unacked = acknowledged_but_not_durable(topics.client, config, messages)
     run.lost = len(set(lost) | {u.split(" ", 1)[0] for u in unacked})
     if lost:
         run.problems.append(f"{len(lost)} key(s) lost (sink or ledger): {lost[:5]}")
