@@ -1,8 +1,9 @@
 """The kill matrix in its short mode: one SIGKILL at each consumer and send-back crash point
 (see :mod:`kill_matrix`).
 
-``python -m tests.faults.kill_matrix --repeats 20`` runs it at scale; the Spark batch
-points (``--points spark``) are killed once each by the C10 scenarios here.
+``python -m tests.faults.kill_matrix --repeats 20`` runs it at scale. The Spark batch
+points (``--points spark``, each kill an ``idem run`` start) stay out of this short mode:
+the C10 scenarios kill ``idem run`` at four of them.
 """
 
 from __future__ import annotations
