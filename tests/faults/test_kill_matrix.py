@@ -22,7 +22,7 @@ pytestmark = pytest.mark.faults
 def test_a_kill_at_every_consumer_and_send_back_point_loses_nothing_and_duplicates_nothing(
     seed: Seed, redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    runs = Matrix(seed.value, redis_server, tmp_path).run(DEFAULT_POINTS, repeats=1, parallel=2)
+    runs = Matrix(seed.value, redis_server, tmp_path).run(DEFAULT_POINTS, repeats=1, parallel=3)
     print(table(seed.value, figures(runs)))
     problems = [f"{r.point} at {r.chosen}: {p}" for r in runs for p in r.problems]
     assert not problems, seed.tag("; ".join(problems))
