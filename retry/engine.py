@@ -34,6 +34,7 @@ from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
+from idem.retry.crash_points import SendBackStage, StageObserver
 from idem.retry.dlq import DeadLetterStatus, DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal import JournalBase, JournalEvent, JournalEventType, RetryJournal
@@ -60,10 +61,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPACT_INTERVAL_MS = 6 * 3_600_000
 """How often a running schedule service compacts its group's retry journal (one of them)."""
-
-StageObserver = Callable[[str, Sequence[MessageExt]], None]
-"""Called at each stage of a send-back: ``dead_lettered``, ``journaled``, ``applied``,
-``fallback``, ``resubmit``. An exception it raises propagates (a test stops there, as a crash)."""
 
 
 class SendBackStatus(StrEnum):
@@ -143,7 +140,11 @@ class RetryStats:
 
 
 class RetryEngine:
-    """Send-back, retry topic, schedule and dead letters of ``config.group``."""
+    """Send-back, retry topic, schedule and dead letters of ``config.group``.
+
+    ``on_stage`` is told when a send-back or an acknowledgement reaches each of its
+    steps (:class:`~idem.retry.crash_points.SendBackStage`); crash tests stop there.
+    """
 
     def __init__(
         self,
@@ -224,7 +225,7 @@ class RetryEngine:
         except StoreUnavailable:
             return False
 
-    def _stage(self, stage: str, messages: Sequence[MessageExt]) -> None:
+    def _stage(self, stage: SendBackStage, messages: Sequence[MessageExt]) -> None:
         if self.on_stage is not None and messages:
             self.on_stage(stage, messages)
 
@@ -329,28 +330,28 @@ class RetryEngine:
             followed = self._check_journal_followed()
             if dead:
                 self.dlq.write([d.letter for d in dead], app_id=app_id, txn_version=txn_version)
-                self._stage("dead_lettered", [d.original for d in dead])
+                self._stage(SendBackStage.DEAD_LETTERED, [d.original for d in dead])
             written = self.journal.append_batch(events, app_id=app_id, txn_version=txn_version)
-            self._stage("journaled", list(messages))
+            self._stage(SendBackStage.JOURNALED, list(messages))
         except LedgerError:
             log.warning(
                 "send-back of %d message(s): Delta unavailable; re-submit later",
                 len(messages),
                 exc_info=True,
             )
-            self._stage("resubmit", list(messages))
+            self._stage(SendBackStage.RESUBMIT, list(messages))
             return self._result(decisions, SendBackStatus.RESUBMIT_LATER, now, journaled=False)
 
         try:
             own = None if written.version is None else (written.version, written.events)
             self._sync_or_raise(own, followed=followed)
             status = SendBackStatus.SCHEDULED
-            self._stage("applied", [d.original for d in scheduled])
+            self._stage(SendBackStage.APPLIED, [d.original for d in scheduled])
         except StoreUnavailable:
             # Redis away, or refusing (full, MISCONF, a slice of the journal it cannot take):
             # the events are journaled, so this is the broker's failed send-back, and the
             # client-side resend of our own ops (then "re-submit later") follows as usual
-            self._stage("fallback", [d.original for d in scheduled])
+            self._stage(SendBackStage.FALLBACK, [d.original for d in scheduled])
             try:
                 ops = [op for e in events for op in e.ops()]
                 self._redis(
@@ -366,7 +367,7 @@ class RetryEngine:
                     len(scheduled),
                     self.faults.resubmit_delay_ms,
                 )
-                self._stage("resubmit", [d.original for d in scheduled])
+                self._stage(SendBackStage.RESUBMIT, [d.original for d in scheduled])
                 status = SendBackStatus.RESUBMIT_LATER
         result = self._result(decisions, status, now, journaled=True)
         # what a replayed batch had journaled already was counted by its first attempt
@@ -635,10 +636,13 @@ class RetryEngine:
             for m in unique.values()
         ]
         version = self.journal.append(events)
+        self._stage(SendBackStage.ACK_JOURNALED, list(unique.values()))
         try:
             self._sync_or_raise(None if version is None else (version, events))
         except StoreUnavailable:
             log.warning("ack of %d message(s) journaled; Redis will catch up", len(events))
+        else:
+            self._stage(SendBackStage.ACKED, list(unique.values()))
         return len(events)
 
     def next_due_ms(self) -> int | None:

@@ -43,6 +43,7 @@ from idem.outcome import BatchClaim, CommitOutcome
 from idem.redis_cluster import RedisClient
 from idem.retry.consumer.listener import Deferred, store_outage
 from idem.retry.consumer.rebalance import load_script
+from idem.retry.crash_points import ConsumeObserver, ConsumePoint
 from idem.retry.faults import REDIS_TRANSIENT
 from idem.retry.message import MessageExt
 
@@ -100,6 +101,7 @@ class GroupCommitter:
         max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS,
         attempts: int = DEFAULT_COMMIT_ATTEMPTS,
         on_commit: Callable[[int], None] | None = None,
+        on_point: ConsumeObserver | None = None,
     ) -> None:
         self.dedup = dedup
         self.owner = owner
@@ -113,6 +115,8 @@ class GroupCommitter:
         self.attempts = max(1, attempts)
         self.on_commit = on_commit
         """Called with the number of keys after each successful commit."""
+        self.on_point = on_point
+        """Told ``ledger_committed`` after each successful commit, before its calls resolve."""
         self.commits = 0
         """Ledger commits made so far (a retried one counts once)."""
         self._unlock = load_script(client, "unlock.lua") if client is not None else None
@@ -277,6 +281,8 @@ class GroupCommitter:
                 self.commits += 1
                 if self.on_commit is not None:
                     self.on_commit(len(keys))
+                if self.on_point is not None:
+                    self.on_point(ConsumePoint.LEDGER_COMMITTED, messages)
                 for item in batch:
                     item.outcome = outcome
                     item.deferred.resolve(None)

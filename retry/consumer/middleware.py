@@ -78,6 +78,7 @@ from idem.retry.consumer.listener import (
     collecting_marks,
     store_outage,
 )
+from idem.retry.crash_points import ConsumeObserver, ConsumePoint
 from idem.retry.message import MessageExt
 from idem.retry.sendback import BUSY_DELAY_LEVEL
 
@@ -227,8 +228,11 @@ class DedupMiddleware:
         commit_interval_ms: int = DEFAULT_COMMIT_INTERVAL_MS,
         commit_max_keys: int = DEFAULT_COMMIT_MAX_KEYS,
         max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS,
+        on_point: ConsumeObserver | None = None,
     ) -> None:
         self.dedup = dedup
+        self.on_point = on_point
+        """Told when consumed keys reach each :class:`~idem.retry.crash_points.ConsumePoint`."""
         self.key_source = key
         self.field = key if isinstance(key, str) else getattr(key, "__name__", "key")
         self._key_of = key_getter(key)
@@ -246,6 +250,7 @@ class DedupMiddleware:
             max_keys=commit_max_keys,
             max_pending_keys=max_pending_keys,
             on_commit=lambda _keys: self.stats.add(commits=1),
+            on_point=on_point,
         )
         self._lock = threading.Lock()
         self._inflight: dict[str, int] = {}
@@ -566,6 +571,7 @@ class DedupMiddleware:
             self._release(claim, release_k)
         if not done_k:
             return set()
+        self._reached(ConsumePoint.AFTER_LISTENER, [messages[here[k]] for k in done_k])
         item = CommitItem(
             keys=[claim.keys[k] or "" for k in done_k],
             prints=[claim.fingerprints[k] for k in done_k],
@@ -594,6 +600,10 @@ class DedupMiddleware:
             for k in done_k:
                 result.failed.setdefault(here[k], failure)
         return set()
+
+    def _reached(self, point: ConsumePoint, messages: Sequence[MessageExt]) -> None:
+        if self.on_point is not None:
+            self.on_point(point, messages)
 
     def _committed(
         self, item: CommitItem, claim: BatchClaim, done_k: list[int], failure: Failure | None
