@@ -14,7 +14,9 @@ the DLQ. The store's redis-server (claims, index, retry engine) is reached throu
 :class:`~proxy.FaultProxy`.
 
 The clock starts at the sink's first commit. The seed draws each fault, its moment
-and its pause: SIGKILL of the driver (its whole process group, the JVM with it;
+(a fault waits for a driver that has committed since it started, and the later
+ones slide with it, so faults hit a working driver rather than one starting) and
+its pause: SIGKILL of the driver (its whole process group, the JVM with it;
 restarted on the same checkpoint after the pause), SIGKILL of the store's
 redis-server (restarted on its AOF), FLUSHALL of the store, proxy cuts (every
 connection reset, or silenced for the pause). A driver that exits on its own is
@@ -84,11 +86,11 @@ REPEAT_IN_FILE = 0.08
 """Share of a file's keys written twice in it."""
 REPEAT_LATER = 0.08
 """Share of the keys written again in a later file."""
-RATE = 25.0
+RATE = 40.0
 """Messages landing per second, on average."""
 FILE_GAP_S = (0.5, 2.5)
 """Seconds between two files."""
-FAULT_GAP_S = (2.0, 6.0)
+FAULT_GAP_S = (3.0, 8.0)
 """Seconds between two faults."""
 PAUSE_S = (0.5, 3.0)
 """How long a killed driver or redis-server stays down, or a cut stays silent."""
@@ -206,17 +208,20 @@ class SparkReport(Report):
 class _Driver:
     """``idem run`` streaming the files: started, killed, started again on its checkpoint."""
 
-    def __init__(self, command: list[str], base: Path, env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], base: Path, env: dict[str, str], sink: Path) -> None:
         self.command = command
         self.base = base
         self.env = env
+        self.sink = sink
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.exits: list[str] = []
         self.log = base / "logs" / "driver-0.log"
+        self.commits_at_start = 0
 
     def start(self) -> None:
         self.starts += 1
+        self.commits_at_start = delta_versions(self.sink)
         self.log = self.base / "logs" / f"driver-{self.starts}.log"
         self.proc = start_run(self.command, self.log, self.env)
 
@@ -238,6 +243,16 @@ class _Driver:
         while (left := moment - time.monotonic()) > 0:
             self.watch()
             time.sleep(min(0.2, left))
+
+    def wait_working(self, timeout_s: float) -> float:
+        """Wait (at most ``timeout_s``) until the running driver has committed to the sink
+        since it started; how long that took."""
+        began = time.monotonic()
+        while delta_versions(self.sink) <= self.commits_at_start:
+            if time.monotonic() - began > timeout_s:
+                break
+            self.sleep_until(time.monotonic() + 0.2)
+        return time.monotonic() - began
 
 
 def run_seed(
@@ -286,16 +301,13 @@ def run_seed(
 
     env = {**os.environ, "IDEM_LEASE_MS": str(LEASE_MS)}
     env.pop("IDEM_SPARK_KILL_AT", None)
-    driver = _Driver(command(["--trigger-seconds", "0.5"]), base, env)
+    driver = _Driver(command(["--trigger-seconds", "0.5"]), base, env, sink)
     started = time.monotonic()
     try:
         _land(source, 0, the_plan.files[0][1], the_plan)
         driver.start()
-        deadline = started + FIRST_COMMIT_TIMEOUT_S
-        while delta_versions(sink) == 0:
-            if time.monotonic() > deadline:
-                raise _Abort(f"no commit to the sink {FIRST_COMMIT_TIMEOUT_S:.0f}s after start")
-            driver.sleep_until(time.monotonic() + 0.2)
+        if driver.wait_working(FIRST_COMMIT_TIMEOUT_S) >= FIRST_COMMIT_TIMEOUT_S:
+            raise _Abort(f"no commit to the sink {FIRST_COMMIT_TIMEOUT_S:.0f}s after start")
         start = time.monotonic()
         report.first_commit_s = start - started
 
@@ -306,8 +318,10 @@ def run_seed(
 
         landing = threading.Thread(target=land_files, daemon=True, name="soak-files")
         landing.start()
+        slid = 0.0  # a fault waits for a driver that commits; the later ones slide with it
         for planned in the_plan.faults:
-            driver.sleep_until(start + planned.at_s)
+            driver.sleep_until(start + planned.at_s + slid)
+            slid += driver.wait_working(FIRST_COMMIT_TIMEOUT_S)
             report.faults.append(_inject(planned, driver, store, proxy))
         landing.join()
         # the final kill: while the driver commits, after the last file and fault
@@ -489,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         "--short", action="store_true", help="one store fault and the final driver kill"
     )
     args = parser.parse_args(argv)
+    # SIGTERM ends the run through its clean-ups: no driver, JVM or redis-server outlives it
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return run_seeds(
         chosen_seeds(args),
         lambda seed, base: run_seed(seed, args.messages, base=base, short=args.short, say=_say),
