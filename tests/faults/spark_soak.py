@@ -21,8 +21,9 @@ restarted on the same checkpoint after the pause), SIGKILL of the store's
 redis-server (restarted on its AOF), FLUSHALL of the store, proxy cuts (every
 connection reset, or silenced for the pause). A driver that exits on its own is
 started again, as a supervisor would. After the last file and fault the driver is
-SIGKILLed once more while it commits, and ``idem run --available-now`` on the same
-checkpoint drains what is left.
+SIGKILLed once more while it commits (in the short mode: it kills itself right after a
+batch's commit, before Redis hears of it, through ``IDEM_SPARK_KILL_AT``), and
+``idem run --available-now`` on the same checkpoint drains what is left.
 
 A run passes when every key is in the Delta sink exactly once (no repeat is
 allowed: the table is its own ledger) and nothing is lost; the resend path's
@@ -116,6 +117,9 @@ class SparkPlan:
     faults: list[Planned]
     final_kill_delay_s: float
     """How long after a commit seen at the end the driver is killed."""
+    crash_at: str | None = None
+    """``IDEM_SPARK_KILL_AT`` of the drivers (the short mode's final kill): the driver
+    SIGKILLs itself when that batch reaches that point."""
 
     def deliveries(self) -> Counter[str]:
         """How many times each key is written into the files."""
@@ -133,7 +137,8 @@ class SparkPlan:
 
 def spark_plan(seed: int, messages: int, *, short: bool = False) -> SparkPlan:
     """The run of ``seed``: keys, refusals, files, faults. ``short``: one store fault and
-    the final driver kill (each driver start costs a JVM and a Spark session)."""
+    the final driver kill at a crash point right after a batch's commit (each driver start
+    costs a JVM and a Spark session)."""
     rng = random.Random(seed)
     keys = [f"S{seed}-{i:06d}" for i in range(messages)]
     refuse_first = set(rng.sample(keys, math.ceil(messages * FAIL_SHARE)))
@@ -154,9 +159,12 @@ def spark_plan(seed: int, messages: int, *, short: bool = False) -> SparkPlan:
         files.append((at, rows))
         sent += n
         at += rng.uniform(*FILE_GAP_S)
+    crash_at = None
     if short:
         kind = rng.choice(sorted(STORE_FAULTS))
         faults = [Planned(rng.uniform(1.0, max(2.0, at)), kind, 0, rng.uniform(*PAUSE_S))]
+        # after the commit, before Redis hears of it: only the ledger knows the batch is done
+        crash_at = f"after_commit@{rng.randint(1, 3)}"
     else:
         faults = draw_faults(
             rng, KINDS, duration=at, first=(1.0, 3.0), gap=FAULT_GAP_S, pause=PAUSE_S
@@ -169,6 +177,7 @@ def spark_plan(seed: int, messages: int, *, short: bool = False) -> SparkPlan:
         files,
         faults,
         final_kill_delay_s=rng.uniform(0.0, 0.8),
+        crash_at=crash_at,
     )
 
 
@@ -218,6 +227,8 @@ class _Driver:
         self.exits: list[str] = []
         self.log = base / "logs" / "driver-0.log"
         self.commits_at_start = 0
+        self.crashed_at: float | None = None
+        """When the driver killed itself at its crash point (``IDEM_SPARK_KILL_AT``)."""
 
     def start(self) -> None:
         self.starts += 1
@@ -232,8 +243,14 @@ class _Driver:
 
     def watch(self) -> None:
         """Start a driver that ended on its own again (noting how it ended)."""
-        if self.proc is not None and self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None and self.crashed_at is None:
             lines = self.log.read_text(errors="replace").strip().splitlines()
+            # the crash point's own line: Spark's stack traces may follow it
+            if self.proc.returncode == -signal.SIGKILL and any(
+                line.startswith("idem: crash point") for line in lines
+            ):
+                self.crashed_at = time.monotonic()  # the planned kill: the drain restarts it
+                return
             self.exits.append(f"exit {self.proc.returncode}: {lines[-1] if lines else ''}")
             kill_run(self.proc)  # its JVM too, if it outlived the driver
             self.start()
@@ -249,7 +266,7 @@ class _Driver:
         since it started; how long that took."""
         began = time.monotonic()
         while delta_versions(self.sink) <= self.commits_at_start:
-            if time.monotonic() - began > timeout_s:
+            if time.monotonic() - began > timeout_s or self.crashed_at is not None:
                 break
             self.sleep_until(time.monotonic() + 0.2)
         return time.monotonic() - began
@@ -301,6 +318,9 @@ def run_seed(
 
     env = {**os.environ, "IDEM_LEASE_MS": str(LEASE_MS)}
     env.pop("IDEM_SPARK_KILL_AT", None)
+    drain_env = dict(env)
+    if the_plan.crash_at is not None:
+        env["IDEM_SPARK_KILL_AT"] = the_plan.crash_at
     driver = _Driver(command(["--trigger-seconds", "0.5"]), base, env, sink)
     started = time.monotonic()
     try:
@@ -324,16 +344,9 @@ def run_seed(
             slid += driver.wait_working(FIRST_COMMIT_TIMEOUT_S)
             report.faults.append(_inject(planned, driver, store, proxy))
         landing.join()
-        # the final kill: while the driver commits, after the last file and fault
-        seen, deadline = delta_versions(sink), time.monotonic() + 120
-        while delta_versions(sink) <= seen and time.monotonic() < deadline:
-            driver.sleep_until(time.monotonic() + 0.1)
-        time.sleep(the_plan.final_kill_delay_s)
-        began = time.monotonic()
-        driver.kill()
-        report.faults.append(Injected(Kind.KILL_DRIVER, began, time.monotonic(), "final"))
+        report.faults.append(_final_kill(the_plan, driver))
         drain_began = time.monotonic()
-        code = _drain(command, base, env)
+        code = _drain(command, base, drain_env)
         report.drain_s = time.monotonic() - drain_began
         if code != 0:
             report.problems.append(f"the draining run exited {code} (see logs/drain.log)")
@@ -371,6 +384,25 @@ def _land(source: Path, index: int, keys: list[str], the_plan: SparkPlan) -> Non
     hidden = source / f".part-{index:05d}.json.tmp"  # the file source skips dot files
     hidden.write_text("".join(lines), encoding="utf-8")
     hidden.rename(source / f"part-{index:05d}.json")
+
+
+def _final_kill(the_plan: SparkPlan, driver: _Driver) -> Injected:
+    """The driver's end before the drain: at its crash point when it has one (waited for),
+    else a SIGKILL while it commits, after the last file and fault."""
+    deadline = time.monotonic() + 120
+    if the_plan.crash_at is not None:
+        while driver.crashed_at is None and time.monotonic() < deadline:
+            driver.sleep_until(time.monotonic() + 0.1)
+        if driver.crashed_at is not None:
+            at = driver.crashed_at
+            return Injected(Kind.KILL_DRIVER, at, at, f"crash point {the_plan.crash_at}")
+    seen = delta_versions(driver.sink)
+    while delta_versions(driver.sink) <= seen and time.monotonic() < deadline:
+        driver.sleep_until(time.monotonic() + 0.1)
+    time.sleep(the_plan.final_kill_delay_s)
+    began = time.monotonic()
+    driver.kill()
+    return Injected(Kind.KILL_DRIVER, began, time.monotonic(), "final")
 
 
 def _inject(planned: Planned, driver: _Driver, store: RedisServer, proxy: FaultProxy) -> Injected:
