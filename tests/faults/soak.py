@@ -82,6 +82,7 @@ class Kind(StrEnum):
     """A fault of the soak."""
 
     KILL_CONSUMER = "kill-consumer"
+    KILL_DRIVER = "kill-driver"
     KILL_REDIS = "kill-redis"
     FLUSHALL = "flushall"
     CUT_RESET = "cut-reset"
@@ -90,6 +91,15 @@ class Kind(StrEnum):
 
 STORE_FAULTS = frozenset({Kind.KILL_REDIS, Kind.FLUSHALL, Kind.CUT_RESET, Kind.CUT_SILENT})
 """Faults after which the store may have lost, or could not renew, a claim."""
+
+CONSUMER_KINDS = (
+    Kind.KILL_CONSUMER,
+    Kind.KILL_REDIS,
+    Kind.FLUSHALL,
+    Kind.CUT_RESET,
+    Kind.CUT_SILENT,
+)
+"""The faults of the consumers' soak."""
 
 
 @dataclass(frozen=True)
@@ -127,16 +137,31 @@ def plan(seed: int, messages: int, consumers: int) -> Plan:
         bursts.append((at, n))
         left -= n
         at += rng.uniform(0.1, 0.9) * n / RATE * 2
-    # every kind once (in a seeded order), then any kind, about one every 1.5 s
-    kinds = list(Kind)
-    rng.shuffle(kinds)
-    faults: list[Planned] = []
-    at = rng.uniform(0.5, 1.5)
-    while at < duration or kinds:
-        kind = kinds.pop() if kinds else rng.choice(list(Kind))
-        faults.append(Planned(at, kind, rng.randrange(consumers), rng.uniform(0.2, 1.2)))
-        at += rng.uniform(0.8, 2.2)
+    faults = draw_faults(rng, CONSUMER_KINDS, duration=duration, targets=consumers)
     return Plan(seed, keys, fail_first, bursts, faults)
+
+
+def draw_faults(
+    rng: random.Random,
+    kinds: tuple[Kind, ...],
+    *,
+    duration: float,
+    targets: int = 1,
+    first: tuple[float, float] = (0.5, 1.5),
+    gap: tuple[float, float] = (0.8, 2.2),
+    pause: tuple[float, float] = (0.2, 1.2),
+) -> list[Planned]:
+    """Every kind once (in a seeded order), then any kind, ``gap`` seconds apart, until
+    ``duration``: each with its target (of ``targets``) and its pause."""
+    left = list(kinds)
+    rng.shuffle(left)
+    faults: list[Planned] = []
+    at = rng.uniform(*first)
+    while at < duration or left:
+        kind = left.pop() if left else rng.choice(list(kinds))
+        faults.append(Planned(at, kind, rng.randrange(targets), rng.uniform(*pause)))
+        at += rng.uniform(*gap)
+    return faults
 
 
 @dataclass
@@ -164,6 +189,8 @@ class Report:
     duration_s: float = 0.0
     settle_s: float = 0.0
     recoveries: list[float] = field(default_factory=list)
+    replay: str = "python -m tests.faults.soak"
+    """The command that runs a seed again."""
 
     @property
     def ok(self) -> bool:
@@ -172,9 +199,7 @@ class Report:
 
     def tag(self, message: str) -> str:
         """``message`` with the seed that reproduces it."""
-        return (
-            f"[seed={self.seed}, replay: python -m tests.faults.soak --seed {self.seed}] {message}"
-        )
+        return f"[seed={self.seed}, replay: {self.replay} --seed {self.seed}] {message}"
 
     def summary(self) -> str:
         """The figures of the run, one paragraph."""
@@ -357,7 +382,14 @@ def _inject(
         slot.kill()
         time.sleep(planned.pause_s)
         slot.start()
-    elif planned.kind is Kind.KILL_REDIS:
+    else:
+        store_fault(planned, store, proxy)
+    return Injected(planned.kind, began, time.monotonic(), target)
+
+
+def store_fault(planned: Planned, store: RedisServer, proxy: FaultProxy) -> None:
+    """Inject a fault of :data:`STORE_FAULTS` into the store (or the proxy before it)."""
+    if planned.kind is Kind.KILL_REDIS:
         store.kill()
         time.sleep(planned.pause_s)
         store.start()
@@ -369,10 +401,11 @@ def _inject(
             client.close()
     elif planned.kind is Kind.CUT_RESET:
         proxy.cut(Fault.RESET)
-    else:
+    elif planned.kind is Kind.CUT_SILENT:
         proxy.cut(Fault.HALF_OPEN, duration_s=planned.pause_s)
         time.sleep(planned.pause_s)
-    return Injected(planned.kind, began, time.monotonic(), target)
+    else:
+        raise ValueError(f"not a store fault: {planned.kind}")
 
 
 def _settled(
@@ -422,7 +455,7 @@ def _judge(
             f"{len(not_once)} key(s) not exactly once in the ledger, e.g. "
             f"{[(k, in_ledger[k]) for k in not_once[:5]]}"
         )
-    audit = _ledger_audit(config)
+    audit = ledger_audit(config)
     if audit:
         report.problems.append(f"idem ledger audit: {audit}")
     if dead:
@@ -475,11 +508,12 @@ def _wall(monotonic: float) -> float:
     return monotonic + _WALL_OFFSET
 
 
-def _ledger_audit(config: IdemConfig) -> str:
+def ledger_audit(config: IdemConfig) -> str:
     """``idem ledger audit`` as a user runs it: empty when it exits 0 with nothing repeated."""
     command = [
         sys.executable, "-m", "idem.cli", "ledger", "audit",
-        "--group", config.group, "--data-dir", config.data_dir, "--json",
+        "--group", config.group, "--data-dir", config.data_dir,
+        "--ledger-path", config.resolved_ledger_path, "--json",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     with contextlib.suppress(ValueError):
@@ -508,17 +542,40 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.faults.soak", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--seeds", type=int, default=3, help="how many fresh seeds to run")
-    parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
-    parser.add_argument("--messages", type=int, default=500, help="messages per seed")
+    seed_arguments(parser, messages=500)
     parser.add_argument("--consumers", type=int, default=2, help="consumer processes")
     args = parser.parse_args(argv)
-    seeds = args.seed or [random.SystemRandom().randrange(2**32) for _ in range(args.seeds)]
+    return run_seeds(
+        chosen_seeds(args),
+        lambda seed, base: run_seed(
+            seed, args.messages, consumers=args.consumers, base=base, say=_say
+        ),
+        prefix="idem-soak",
+    )
+
+
+def seed_arguments(parser: argparse.ArgumentParser, *, messages: int) -> None:
+    """``--seeds N``, ``--seed S`` (repeatable) and ``--messages M``."""
+    parser.add_argument("--seeds", type=int, default=3, help="how many fresh seeds to run")
+    parser.add_argument("--seed", type=int, action="append", help="run this seed (repeatable)")
+    parser.add_argument("--messages", type=int, default=messages, help="messages per seed")
+
+
+def chosen_seeds(args: argparse.Namespace) -> list[int]:
+    """The seeds asked for, or ``--seeds`` fresh ones."""
+    seeds: list[int] = args.seed or [
+        random.SystemRandom().randrange(2**32) for _ in range(args.seeds)
+    ]
+    return seeds
+
+
+def run_seeds(seeds: list[int], run: Callable[[int, Path], Report], *, prefix: str) -> int:
+    """Print the seeds, run each in a directory of its own (kept when it fails); exit code."""
     print(f"seeds: {' '.join(map(str, seeds))}", flush=True)
     failed = []
     for seed in seeds:
-        base = Path(tempfile.mkdtemp(prefix=f"idem-soak-{seed}-"))
-        report = run_seed(seed, args.messages, consumers=args.consumers, base=base, say=_say)
+        base = Path(tempfile.mkdtemp(prefix=f"{prefix}-{seed}-"))
+        report = run(seed, base)
         if report.ok:
             shutil.rmtree(base, ignore_errors=True)
         else:

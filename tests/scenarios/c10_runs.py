@@ -39,6 +39,46 @@ def order_files(directory: Path, batches: int = 6, per_batch: int = 20) -> set[s
     return keys
 
 
+def run_command(
+    *,
+    source: Path,
+    key: str,
+    group: str,
+    url: str,
+    data_dir: Path,
+    checkpoint: Path,
+    schema: str,
+    extra: list[str],
+) -> list[str]:
+    """The ``idem run`` command line of a test: fast JVM start, a ladder of 1 s delays."""
+    return [
+        sys.executable, "-m", "idem.cli", "run",
+        "--source", str(source), "--key", key, "--group", group,
+        "--redis-url", url, "--data-dir", str(data_dir),
+        "--checkpoint", str(checkpoint), "--schema", schema,
+        "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
+        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
+        *extra,
+    ]  # fmt: skip
+
+
+def start_run(
+    command: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` in a session of its own (its JVM with it), output to ``log``;
+    ``env`` is its whole environment (``None``: this one)."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def kill_run(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the run and everything of its session (the JVM is the driver's child)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def idem_run(
     tmp: Path,
     url: str,
@@ -50,40 +90,39 @@ def idem_run(
     env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """Run ``idem run --available-now`` once; kill it as asked; return (exit code, output)."""
-    command = [
-        sys.executable, "-m", "idem.cli", "run",
-        "--source", str(tmp / "in"), "--key", "order_id", "--group", group,
-        "--redis-url", url, "--data-dir", str(tmp / "data"),
-        "--checkpoint", str(tmp / "checkpoint"), "--schema", SCHEMA,
-        "--available-now", "--max-files-per-trigger", "1",
-        "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
-        "--report-json", str(tmp / "report.json"),
-        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
-        *sink_args,
-    ]  # fmt: skip
+    command = run_command(
+        source=tmp / "in", key="order_id", group=group, url=url, data_dir=tmp / "data",
+        checkpoint=tmp / "checkpoint", schema=SCHEMA,
+        extra=[
+            "--available-now", "--max-files-per-trigger", "1",
+            "--report-json", str(tmp / "report.json"), *sink_args,
+        ],
+    )  # fmt: skip
     full_env = {**os.environ, **(env or {})}
     full_env.pop("IDEM_SPARK_KILL_AT", None)
     if kill_at:
         full_env["IDEM_SPARK_KILL_AT"] = kill_at
     log = tmp / f"run-{time.monotonic_ns()}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
-        try:
-            if kill_when is not None:
-                deadline = time.monotonic() + GROUP_TIMEOUT_S
-                while proc.poll() is None and not kill_when() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                time.sleep(random.Random(os.getpid()).uniform(0.0, 0.8))
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait(timeout=GROUP_TIMEOUT_S)
-        finally:
-            # The JVM is the driver's child: make sure nothing of this run survives it.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    proc = start_run(command, log, full_env)
+    try:
+        if kill_when is not None:
+            deadline = time.monotonic() + GROUP_TIMEOUT_S
+            while proc.poll() is None and not kill_when() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(random.Random(os.getpid()).uniform(0.0, 0.8))
+            if proc.poll() is None:
+                kill_run(proc)
+        code = proc.wait(timeout=GROUP_TIMEOUT_S)
+    finally:
+        # The JVM is the driver's child: make sure nothing of this run survives it.
+        kill_run(proc)
     return code, log.read_text(errors="replace")
+
+
+def delta_versions(path: Path) -> int:
+    """How many commits the Delta table at ``path`` has (0: none yet)."""
+    log = path / "_delta_log"
+    return len(list(log.glob("*.json"))) if log.is_dir() else 0
 
 
 def read_report(tmp: Path) -> dict[str, Any]:

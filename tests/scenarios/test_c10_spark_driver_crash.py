@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from c10_runs import idem_run, order_files, read_report
+from c10_runs import delta_versions, idem_run, order_files, read_report
 from deltalake import DeltaTable
 from jvm_jars import jar_cache, require_jars
 from redis_backends import RealRedis
@@ -40,11 +40,6 @@ def _writers(path: Path) -> set[str]:
             if info:
                 found.add("Delta-Lake" if "Delta-Lake/" in info else "delta-rs")
     return found
-
-
-def _delta_versions(path: Path) -> int:
-    log = path / "_delta_log"
-    return len(list(log.glob("*.json"))) if log.is_dir() else 0
 
 
 def _engine_args(engine: str) -> list[str]:
@@ -77,8 +72,8 @@ def test_c10_delta_sink_survives_driver_kills_with_every_key_exactly_once(
         assert code == -signal.SIGKILL, out[-3000:]
         assert "crash point" in out
     # A kill at a moment nobody chose: while it is committing batches.
-    seen = _delta_versions(sink)
-    idem_run(tmp_path, url, group, args, kill_when=lambda: _delta_versions(sink) > seen + 1)
+    seen = delta_versions(sink)
+    idem_run(tmp_path, url, group, args, kill_when=lambda: delta_versions(sink) > seen + 1)
 
     code, out = idem_run(tmp_path, url, group, args)
     assert code == 0, out[-3000:]
