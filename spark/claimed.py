@@ -41,6 +41,7 @@ from idem.spark.verdicts import (
 )
 
 if TYPE_CHECKING:
+    from pyspark import StorageLevel
     from pyspark.sql import DataFrame
 
 
@@ -75,6 +76,16 @@ class ClaimedBatch:
         self.frame.unpersist()
 
 
+def kept_level() -> StorageLevel:
+    """How a batch's verdicts and ledger rows are kept between their reads: on the
+    executors' local disks. A block kept in memory is read back whole, and a
+    partition of a big batch outgrows an executor's heap; from disk it streams (and
+    the operating system's page cache keeps small batches in memory anyway)."""
+    from pyspark import StorageLevel  # noqa: PLC0415 -- pyspark is loaded by now
+
+    return StorageLevel.DISK_ONLY
+
+
 def claim_batch(
     prepared: DataFrame,
     dedup: Dedup,
@@ -95,7 +106,6 @@ def claim_batch(
     Raises :class:`IndexUnsettled` when buckets keep falling behind for
     :data:`~idem.claiming.MAX_INDEX_ROUNDS` rounds (Redis restarting in a loop).
     """
-    from pyspark import StorageLevel  # noqa: PLC0415 -- pyspark is loaded by now
     from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
     version = dedup.catch_up()
@@ -112,7 +122,7 @@ def claim_batch(
         fault=fault,
         track=track and hold,
     )
-    frame = verdict_frame(prepared, task).persist(StorageLevel.MEMORY_AND_DISK)
+    frame = verdict_frame(prepared, task).persist(kept_level())
     counts = _counts(frame)
     rounds = 1
     stale = F.col(VERDICT_COLUMN) == int(Verdict.STALE)
@@ -129,7 +139,7 @@ def claim_batch(
         again = dataclasses.replace(task, min_version=version)
         added = [KEY_COLUMN, VERDICT_COLUMN, DETAIL_COLUMN, FINGERPRINT_TEXT_COLUMN]
         redone = claim_frame(frame.where(stale).drop(*added), again)
-        merged = frame.where(~stale).unionByName(redone).persist(StorageLevel.MEMORY_AND_DISK)
+        merged = frame.where(~stale).unionByName(redone).persist(kept_level())
         counts = _counts(merged)
         frame.unpersist()
         frame = merged
@@ -149,7 +159,6 @@ def _strict_recheck(
     only the claimed keys (the ledger's own column) come to the driver. The keys
     found, usually none, go back to the executors as a broadcast table.
     """
-    from pyspark import StorageLevel  # noqa: PLC0415 -- pyspark is loaded by now
     from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
     from idem.ledger.spark_engine import SparkDeltaLedger  # noqa: PLC0415
@@ -190,7 +199,7 @@ def _strict_recheck(
         joined.withColumn(VERDICT_COLUMN, verdict)
         .withColumn(DETAIL_COLUMN, detail)
         .select(*frame.columns)
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .persist(kept_level())
     )
     recounted = _counts(rechecked)
     frame.unpersist()

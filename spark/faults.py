@@ -102,9 +102,10 @@ class TaskFaultPoint(StrEnum):
     """Moments of an executor's claim task at which a staged fault fires."""
 
     CLAIMS_SENT = "claims_sent"
-    """The claims are sent to Redis, their replies not read yet (mid-claim)."""
+    """The task's first claims are sent to Redis, their replies not read yet (mid-claim)."""
     CLAIMED = "claimed"
-    """Every row's verdict is known, none handed back to Spark yet."""
+    """Every row's verdict is known and claimed; the last rows are not handed back to
+    Spark yet."""
 
 
 class TaskFaultAction(StrEnum):

@@ -65,11 +65,17 @@ class LedgerRowsTask:
     fingerprints: bool = True
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """Ledger rows of the task's rows (called once per task)."""
-        received = [b for b in batches if b.num_rows]
-        if not received:
-            return
-        table = pa.Table.from_batches(received).combine_chunks()
+        """Ledger rows of the task's rows (called once per task).
+
+        Each row's ledger row depends on that row alone, so the rows are turned one
+        Arrow batch at a time: a task holds one batch, however large its partition.
+        """
+        for batch in batches:
+            if batch.num_rows:
+                yield from self._rows(pa.Table.from_batches([batch])).to_batches()
+
+    def _rows(self, table: pa.Table) -> pa.Table:
+        """The ledger rows of ``table`` (with the user's columns, fitted, for a Delta sink)."""
         rows = self.ledger_columns(table)
         misfits: dict[int, str] = {}
         if self.columns:
@@ -90,7 +96,7 @@ class LedgerRowsTask:
                 rows = _with_payload(rows, fitted, None)
         else:
             rows = rows.append_column(MISFIT_COLUMN, pa.nulls(rows.num_rows, pa.string()))
-        yield from rows.to_batches()
+        return rows
 
     def ledger_columns(self, table: pa.Table) -> pa.Table:
         """The :data:`~idem.ledger.schema.LEDGER_SCHEMA` columns of ``table``'s rows."""

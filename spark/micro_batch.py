@@ -41,14 +41,13 @@ from idem.errors import ConfigError, PayloadMismatch
 from idem.keys import group_by_bucket
 from idem.lease_keeper import LeaseKeeper
 from idem.ledger.deltars import DeltaLedger
-from idem.ledger.schema import LEDGER_SCHEMA
 from idem.ledger.staged import StagedRows
 from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.retry.sendback import BUSY_DELAY_LEVEL
 from idem.retry.status import ConsumeConcurrentlyStatus
-from idem.spark.claimed import ClaimedBatch, claim_batch
+from idem.spark.claimed import ClaimedBatch, claim_batch, kept_level
 from idem.spark.faults import BatchObserver, CrashPoint, TaskFault
 from idem.spark.index_task import IndexTask, ReleaseTask, index_committed, release_claimed
 from idem.spark.ledger_rows import MISFIT_COLUMN, LedgerRowsTask, ledger_frame
@@ -82,6 +81,8 @@ from idem.spark.verdicts import (
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
+
+    from idem.ledger.spark_engine import SparkDeltaLedger
 
 log = logging.getLogger(__name__)
 
@@ -521,7 +522,6 @@ class MicroBatch:
         failed: Mapping[int, str],
     ) -> _Commit:
         """Commit the accepted rows: ledger first, then the Redis index."""
-        from pyspark import StorageLevel  # noqa: PLC0415
         from pyspark.sql import functions as F  # noqa: N812, PLC0415
 
         s = self.setup
@@ -547,7 +547,7 @@ class MicroBatch:
             fingerprints=s.fingerprints,
         )
         # Kept: the commit, the index update and the applied sample all read these rows.
-        rows = ledger_frame(accepted, task).persist(StorageLevel.MEMORY_AND_DISK)
+        rows = ledger_frame(accepted, task).persist(kept_level())
         misfits: dict[str, str] = {}
         if s.sink_columns:
             found = rows.where(F.col(MISFIT_COLUMN).isNotNull()).select("key", MISFIT_COLUMN)
@@ -597,7 +597,52 @@ class MicroBatch:
                     slipped=len(slipped),
                     version=result.version,
                 )
+            return self._replay(ledger, rows, offered, now, since)
         return self._commit_on_driver(claimed, rows, offered)
+
+    def _replay(
+        self, ledger: SparkDeltaLedger, rows: DataFrame, offered: int, now: int, since: int
+    ) -> _Commit:
+        """The batch's commit was made before (Spark replays a batch whose driver died
+        after it): the keys the ledger holds are marked COMPLETED in Redis, and rows that
+        succeed only now are committed under a txn of their own. On the executors, as
+        the first commit, with the ledger as of the replay read for both halves.
+
+        A replay may succeed for rows that failed the first time; those are not in the
+        earlier commit, and marking them COMPLETED without a ledger row would lose them.
+        """
+        s = self.setup
+        window = s.dedup.config.dedup_window_ms
+        held, missing = ledger.split_held(rows, "key", since_ms=now - window)
+        # -2 never moves a watermark: those keys were indexed with their own version.
+        self._index(held, (), -2, now)
+        late = missing.count()
+        if not late:
+            return _Commit(applied=offered, applied_keys=_sample(rows, ()), replayed=True)
+        log.warning(
+            "batch %d was committed before without %d key(s) that succeeded now; committing them",
+            self.batch_id,
+            late,
+        )
+        result = ledger.commit_frame(
+            missing,
+            offered=late,
+            app_id=f"{self.app_id}:late:{now}",
+            txn_version=self.batch_id,
+            match_since_ms=since,
+        )
+        slipped = tuple(result.already_present)
+        if slipped and s.hold:
+            s.dedup.hot.release(group_by_bucket(slipped, s.dedup.config.buckets), self.owner)
+        version = result.version if result.version is not None else -2
+        self._index(missing, slipped, version, now)
+        return _Commit(
+            applied=offered - len(slipped),
+            applied_keys=_sample(rows, slipped),
+            slipped=len(slipped),
+            version=result.version,
+            replayed=True,
+        )
 
     def _index(self, rows: DataFrame, slipped: Sequence[str], version: int, now: int) -> None:
         """Mark the committed keys COMPLETED in Redis from the executors, bucket by bucket."""
@@ -624,8 +669,7 @@ class MicroBatch:
 
     def _commit_on_driver(self, claimed: ClaimedBatch, rows: DataFrame, offered: int) -> _Commit:
         """The commit through :meth:`idem.dedup.Dedup.complete`, with the ledger columns
-        gathered on the driver: the delta-rs engine's path, and any engine's for a
-        replayed batch (whose commit completes only what the earlier one lacked).
+        gathered on the driver: the delta-rs engine's path.
 
         A Delta sink's own columns stay off the driver on delta-rs: the executors
         stage the rows as files the commit streams (:mod:`idem.spark.staging`).
@@ -643,7 +687,7 @@ class MicroBatch:
 
     def _complete(self, claimed: ClaimedBatch, rows: DataFrame, staging: Staging | None) -> _Commit:
         s = self.setup
-        # Without staging (the delta-spark engine's replay) the sink's columns come too.
+        # Without staging (a function sink) the rows hold the ledger columns alone.
         table = rows.toArrow() if staging is None else rows.select(*_DRIVER_COLUMNS).toArrow()
         keys = table.column("key").to_pylist()
         claim = BatchClaim(
@@ -660,12 +704,7 @@ class MicroBatch:
             claimed_at_ms=claimed.claimed_at_ms,
         )
         meta = table.select(["msg_id", "origin_msg_id", "topic"])
-        payload: pa.Table | StagedRows | None = None
-        if staging is not None:
-            payload = staging.stage(rows, table)
-        else:
-            payload_names = [n for n in table.column_names if n not in LEDGER_SCHEMA.names]
-            payload = table.select(payload_names) if s.sink_columns and payload_names else None
+        payload: StagedRows | None = staging.stage(rows, table) if staging is not None else None
         result: CommitOutcome = s.dedup.complete(
             claim,
             batch_id=self.batch_id,

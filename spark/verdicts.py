@@ -1,8 +1,10 @@
 """A micro-batch's claim, run on the executors: every row gets its verdict where it lies.
 
-The driver repartitions the batch by Redis bucket (:func:`verdict_frame`), so all
-of a bucket's rows, and with them every copy of a key, meet in one task. Each
-task (:class:`ClaimTask`, called by ``mapInArrow``) then, on Arrow columns:
+The driver repartitions the batch by Redis bucket and has Spark sort each
+partition by bucket, key and precedence (:func:`verdict_frame`), so all of a
+bucket's rows meet in one task, and every copy of a key is in one run of rows.
+Each task (:class:`ClaimTask`, called by ``mapInArrow``) then, on Arrow columns,
+a few batches of rows at a time:
 
 1. validates the keys (null, empty, too long, not text: ``INVALID``; rows whose
    values could not be read: ``MALFORMED``; neither is claimed);
@@ -18,7 +20,8 @@ task (:class:`ClaimTask`, called by ``mapInArrow``) then, on Arrow columns:
    ``BUSY`` (another owner holds a live lease), or ``STALE`` (the bucket's index
    is behind the ledger: the driver catches it up and claims those rows again).
 
-Nothing here runs on the driver, and nothing holds more than one task's rows.
+Nothing here runs on the driver, and a task holds about one Arrow batch of rows
+(``spark.sql.execution.arrow.maxRecordsPerBatch``), whatever its partition's size.
 """
 
 from __future__ import annotations
@@ -154,22 +157,48 @@ class ClaimTask:
     track: bool = False
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """Tag every row of the task with its verdict (called once per task)."""
-        received = list(batches)
-        if not received:
-            return
-        table = pa.Table.from_batches(received).combine_chunks()
-        if table.num_rows == 0:
-            return
-        table = table.take(_precedence(table))
-        for field, column in zip(VERDICT_FIELDS, self.verdicts(table), strict=True):
-            table = table.append_column(field, column)
-        if self.fault is not None:
-            self.fault.fire(TaskFaultPoint.CLAIMED)
-        yield from table.to_batches()
+        """Tag every row of the task with its verdict (called once per task).
 
-    def verdicts(self, table: pa.Table) -> list[pa.Array]:
-        """The :data:`VERDICT_FIELDS` columns of ``table`` (rows in precedence order)."""
+        Spark hands the rows sorted by bucket, key and precedence
+        (:func:`claim_frame`), so every copy of a key is in one run of rows. The rows
+        are tagged as they arrive, a few Arrow batches at a time: the run of the last
+        key of a batch waits for the next batch, which may continue it. A task holds
+        about one batch, however many rows its partition has.
+        """
+        pending: pa.Table | None = None
+        ready: pa.Table | None = None  # tagged, not handed back yet
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            table = pa.Table.from_batches([batch])
+            if pending is not None:
+                table = pa.concat_tables([pending, table])
+            cut = _last_run(table, self.key)
+            pending = table.slice(cut) if cut < table.num_rows else None
+            if cut:
+                if ready is not None:
+                    yield from ready.to_batches()
+                ready = self._tagged(table.slice(0, cut), opening=ready is None)
+        if pending is not None:
+            if ready is not None:
+                yield from ready.to_batches()
+            ready = self._tagged(pending, opening=ready is None)
+        if ready is not None:
+            if self.fault is not None:
+                self.fault.fire(TaskFaultPoint.CLAIMED)
+            yield from ready.to_batches()
+
+    def _tagged(self, rows: pa.Table, *, opening: bool) -> pa.Table:
+        """``rows`` (every copy of each of their keys) with the verdict columns appended."""
+        rows = rows.combine_chunks()
+        for field, column in zip(VERDICT_FIELDS, self.verdicts(rows, opening=opening), strict=True):
+            rows = rows.append_column(field, column)
+        return rows
+
+    def verdicts(self, table: pa.Table, *, opening: bool = True) -> list[pa.Array]:
+        """The :data:`VERDICT_FIELDS` columns of ``table``: every copy of each of its keys,
+        each key's copies in precedence order. ``opening``: the task's first rows (a
+        staged fault fires there only)."""
         size = table.num_rows
         keys, invalid = _valid_keys(table.column(self.key), self.config.max_key_bytes, self.key)
         verdicts = np.full(size, Verdict.IN_BATCH, dtype=np.int8)
@@ -192,7 +221,7 @@ class ClaimTask:
                 verdicts[i] = Verdict.CONFLICTING
                 details[i] = CONFLICT_DETAIL
         if len(first):
-            codes, stored = self._claim(keys, first, table.column(BUCKET_COLUMN))
+            codes, stored = self._claim(keys, first, table.column(BUCKET_COLUMN), fire=opening)
             claimed = _FROM_CODE[np.frombuffer(codes, dtype=np.uint8)]
             if (claimed == 255).any():
                 raise RuntimeError("claim.lua answered a code this task does not know")
@@ -220,7 +249,7 @@ class ClaimTask:
         ]
 
     def _claim(
-        self, keys: pa.Array, first: np.ndarray, buckets: pa.ChunkedArray | pa.Array
+        self, keys: pa.Array, first: np.ndarray, buckets: pa.ChunkedArray | pa.Array, *, fire: bool
     ) -> tuple[bytes, list[str]]:
         """Claim the keys of the ``first`` rows (sorted) in Redis; their codes in that
         order, and the stored fingerprints of the completed ones."""
@@ -238,7 +267,7 @@ class ClaimTask:
         )
         try:
             calls.add(grouped)
-            if self.fault is not None:
+            if fire and self.fault is not None:
                 self.fault.fire(TaskFaultPoint.CLAIMS_SENT)
         except BaseException:
             calls.abandon()
@@ -255,20 +284,26 @@ class ClaimTask:
         return unsorted.tobytes(), [stored_in_first_order[i] for i in done]
 
 
-def _precedence(table: pa.Table) -> pa.Array:
-    """Row indices in precedence order: furthest along the retry chain first, then the
-    batch's own order (so the first row of a key is the one its send-back continues)."""
-    sort_keys: list[tuple[str, str]] = []
-    if RECONSUME_TIMES_COLUMN in table.column_names:
-        table = table.set_column(
-            table.column_names.index(RECONSUME_TIMES_COLUMN),
-            RECONSUME_TIMES_COLUMN,
-            pc.fill_null(table.column(RECONSUME_TIMES_COLUMN), 0),
-        )
-        sort_keys.append((RECONSUME_TIMES_COLUMN, "descending"))
-    sort_keys.append((ORDER_COLUMN, "ascending"))
-    indices: pa.Array = pc.sort_indices(table, sort_keys=sort_keys)
-    return indices
+def _last_run(table: pa.Table, key: str) -> int:
+    """Where the run of rows holding the last row's key begins (rows sorted by key).
+
+    A null key is a run of its own, and so is every row when the key column cannot
+    hold a valid key (not text, bytes or an integer): such rows are never compared.
+    """
+    kind = table.schema.field(key).type
+    keyed = (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_integer(kind)
+    )
+    keys = table.column(key)
+    last = keys[len(keys) - 1]
+    if not keyed or not last.is_valid:
+        return len(keys)
+    others = pc.indices_nonzero(pc.fill_null(pc.not_equal(keys, last), True))
+    return int(others[len(others) - 1].as_py()) + 1 if len(others) else 0
 
 
 def _valid_keys(
@@ -387,10 +422,17 @@ def verdict_frame(prepared: DataFrame, task: ClaimTask) -> DataFrame:
     return claim_frame(numbered, task)
 
 
+def _key_types() -> tuple[type, ...]:
+    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+
+    return (st.StringType, st.BinaryType, st.IntegralType)
+
+
 def claim_frame(numbered: DataFrame, task: ClaimTask) -> DataFrame:
     """Rows that carry :data:`ORDER_COLUMN` and :data:`BUCKET_COLUMN` already, claimed
     by ``task`` (:func:`verdict_frame`'s second half: rows claimed again reuse it)."""
-    from pyspark.sql import types as st  # noqa: PLC0415 -- pyspark is loaded by now
+    from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
+    from pyspark.sql import types as st  # noqa: PLC0415
 
     schema = st.StructType(
         [
@@ -401,4 +443,14 @@ def claim_frame(numbered: DataFrame, task: ClaimTask) -> DataFrame:
             st.StructField(FINGERPRINT_TEXT_COLUMN, st.StringType()),
         ]
     )
-    return numbered.repartition(BUCKET_COLUMN).mapInArrow(task, schema)
+    # Each key's copies one after another, the one that goes first (furthest along
+    # its retry chain, then the earliest) at the head: Spark's sort spills to disk,
+    # and the task tags the rows as they stream past.
+    order = [F.col(BUCKET_COLUMN)]
+    if isinstance(numbered.schema[task.key].dataType, _key_types()):
+        order.append(F.col(task.key))  # a carried name: no dot, no backtick
+    if RECONSUME_TIMES_COLUMN in numbered.columns:
+        order.append(F.coalesce(F.col(RECONSUME_TIMES_COLUMN), F.lit(0)).desc())
+    order.append(F.col(ORDER_COLUMN))
+    arranged = numbered.repartition(BUCKET_COLUMN).sortWithinPartitions(*order)
+    return arranged.mapInArrow(task, schema)

@@ -503,6 +503,24 @@ class SparkDeltaLedger:
         rows = self._spark_read(joined.select("key", "fingerprint", "completed_at").toArrow)
         return {k: v or "" for k, v in _earliest(rows, "fingerprint").items()}
 
+    def split_held(
+        self, frame: DataFrame, key_column: str, *, since_ms: int | None
+    ) -> tuple[DataFrame, DataFrame]:
+        """``frame``'s rows whose key the ledger holds, and the others: lazy joins on the
+        executors (nothing comes to the driver) with the ledger as of now, so both stay
+        the same however often they are read, commits after this call included."""
+        from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
+
+        version = self.version()
+        if version < 0:
+            return frame.limit(0), frame
+        recent = self._recent(since_ms, version=version)
+        held = recent.select(F.col("key").alias(key_column)).distinct()
+        return (
+            frame.join(held, key_column, "left_semi"),
+            frame.join(held, key_column, "left_anti"),
+        )
+
     def lookup_results(
         self, keys: Iterable[str], *, since_ms: int | None = None
     ) -> dict[str, str | None]:

@@ -75,13 +75,23 @@ def _by_key(rows: list[dict[str, Any]]) -> dict[str, Counter[Verdict]]:
     return dict(found)
 
 
+@pytest.mark.parametrize("records_per_batch", [None, 7], ids=["arrow-default", "arrow-7-rows"])
 def test_copies_of_a_key_spread_over_input_partitions_are_claimed_once(
-    spark: SparkSession, redis_server: RedisServer, tmp_path: Path
+    spark: SparkSession, redis_server: RedisServer, tmp_path: Path, records_per_batch: int | None
 ) -> None:
-    config = config_for(tmp_path, redis_server.url, "spread", buckets=8)
+    """With 7-row Arrow batches a task gets its rows a few at a time, and the copies of
+    most keys arrive in different batches of the task: still one of them is claimed."""
+    config = config_for(tmp_path, redis_server.url, f"spread-{records_per_batch}", buckets=8)
     keys = [f"ORDERID_{n}" for n in range(200)]
     rows = [(key, 7) for _ in range(4) for key in keys]  # 4 copies, 8 partitions
-    verdicts = _claim(config, _prepared(spark, rows, 8), "q1:0")
+    name = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    before = spark.conf.get(name)
+    if records_per_batch is not None:
+        spark.conf.set(name, str(records_per_batch))
+    try:
+        verdicts = _claim(config, _prepared(spark, rows, 8), "q1:0")
+    finally:
+        spark.conf.set(name, before)
 
     assert len(verdicts) == len(rows)
     assert _by_key(verdicts) == {k: Counter({Verdict.FRESH: 1, Verdict.IN_BATCH: 3}) for k in keys}
