@@ -82,6 +82,7 @@ from idem.spark.verdicts import (
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
+    from idem.ledger.base import CommitResult
     from idem.ledger.spark_engine import SparkDeltaLedger
 
 log = logging.getLogger(__name__)
@@ -586,17 +587,7 @@ class MicroBatch:
                 match_since_ms=since,
             )
             if not result.replayed:
-                slipped = tuple(result.already_present)
-                if slipped and s.hold:
-                    s.dedup.hot.release(group_by_bucket(slipped, config.buckets), self.owner)
-                version = result.version if result.version is not None else -2
-                self._index(rows, slipped, version, now)
-                return _Commit(
-                    applied=offered - len(slipped),
-                    applied_keys=_sample(rows, slipped),
-                    slipped=len(slipped),
-                    version=result.version,
-                )
+                return self._landed(result, rows, rows, offered, now)
             return self._replay(ledger, rows, offered, now, since)
         return self._commit_on_driver(claimed, rows, offered)
 
@@ -631,17 +622,27 @@ class MicroBatch:
             txn_version=self.batch_id,
             match_since_ms=since,
         )
+        done = self._landed(result, missing, rows, offered, now)
+        done.replayed = True
+        return done
+
+    def _landed(
+        self, result: CommitResult, committed: DataFrame, rows: DataFrame, offered: int, now: int
+    ) -> _Commit:
+        """After a commit of ``committed`` from the executors (``rows``: the batch's, of
+        which ``offered`` were offered): the keys the ledger held already are released,
+        the others marked COMPLETED in Redis."""
+        s = self.setup
         slipped = tuple(result.already_present)
         if slipped and s.hold:
             s.dedup.hot.release(group_by_bucket(slipped, s.dedup.config.buckets), self.owner)
         version = result.version if result.version is not None else -2
-        self._index(missing, slipped, version, now)
+        self._index(committed, slipped, version, now)
         return _Commit(
             applied=offered - len(slipped),
             applied_keys=_sample(rows, slipped),
             slipped=len(slipped),
             version=result.version,
-            replayed=True,
         )
 
     def _index(self, rows: DataFrame, slipped: Sequence[str], version: int, now: int) -> None:
