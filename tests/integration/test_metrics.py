@@ -212,6 +212,12 @@ def test_the_push_consumer_counts_what_its_dedup_layer_and_the_resend_path_did(
         eventually(lambda: engine.dlq.count() == 1, what="BAD dead-lettered", timeout=30)
         eventually(lambda: hook.stats.duplicates["completed"] == 2, what="2 duplicates")
         group = config.group
+        # Counted once the send-back is journaled, a moment after the DLQ row lands.
+        dead = ("idem_dead_letters_total", "max_reconsume_times")
+        eventually(
+            lambda: value(scrape(http.url), dead[0], group=group, reason=dead[1]) == 1,
+            what="the dead letter counted",
+        )
         samples = scrape(http.url)
         busy = hook.stats.busy
         # 5 orders, BAD twice, HELD once per busy delivery and once more, 2 copies
