@@ -27,6 +27,29 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
 
+def _file_rank(items: list[pytest.Item]) -> int:
+    """How early a test file should start: scenarios and the fault tier first (they
+    run processes again and again: ``idem run``, consumers, servers), Spark's tests
+    next, the rest last."""
+    marks = {mark.name for item in items for mark in item.iter_markers()}
+    if marks & {"scenarios", "faults"}:
+        return 0
+    return 1 if "spark" in marks else 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the files slowest tier first, each file's tests kept together in their order.
+
+    Workers (``-n 2 --dist loadfile``) take files in this order, so the long scenario
+    runs start early instead of finishing the run on one worker while the other idles.
+    """
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+    ranked = sorted(by_file.values(), key=_file_rank)  # stable: collection order within a tier
+    items[:] = [item for group in ranked for item in group]
+
+
 def _require_redis_server() -> None:
     if redis_server_binary() is None:
         message = "redis-server is not installed (apt-get install redis-server)"
