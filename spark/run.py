@@ -35,7 +35,7 @@ from pyspark.errors import StreamingQueryException
 from redis.exceptions import RedisClusterException
 
 from idem.config import IdemConfig
-from idem.errors import ConfigError, IdemError, StoreUnavailable
+from idem.errors import ConfigError, IdemError, LedgerError, StoreUnavailable
 from idem.ledger import read_table
 from idem.redis_client import connect, redacted
 from idem.redis_cluster import RedisClient
@@ -409,8 +409,11 @@ class Pipeline:
         """Run as asked (``available_now``, or until interrupted / timed out); then report.
 
         ``on_started`` gets the query once it runs (with ``available_now``, the one that
-        takes the source files).
+        takes the source files). Before the query starts, the group's retry side is
+        recovered (:meth:`RetryEngine.recover`): a dead-lettering that a killed process
+        of the group cut short is finished, so its message is not consumed again.
         """
+        self._recover_retries()
         interrupted = False
         with StopSignals() as signals:
             self._stop = signals.stop
@@ -428,6 +431,14 @@ class Pipeline:
             log.info("interrupted; the query was stopped")
         # The report is still printed; only Ctrl-C makes the exit code say "interrupted".
         return replace(self.report(), interrupted=interrupted)
+
+    def _recover_retries(self) -> None:
+        """Finish the group's cut-short dead-letterings and bring Redis up to date with the
+        retry journal; with the journal or DLQ unreadable, the next start does it."""
+        try:
+            self.engine.recover()
+        except LedgerError:
+            log.warning("could not settle the group's dead letters", exc_info=True)
 
     def _available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> None:
         """The source files there now and the retries they cause, then return.

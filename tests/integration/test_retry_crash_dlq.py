@@ -1,8 +1,8 @@
 """A process killed (SIGKILL) between the dead-letter write and the journal append, while
 it dead-letters messages it read from ``%RETRY%<group>``: after recovery each message is
 dead (one DLQ row) or live on the retry ladder, never both, and never consumed once dead:
-after ``idem retry rebuild``, after ``RetryEngine.recover``, and when a push consumer of
-the group simply starts again.
+after ``idem retry rebuild``, after ``RetryEngine.recover``, when a push consumer of
+the group simply starts again, and when ``idem run`` of the group starts.
 
 Real redis-server, real Delta tables; the crash is a real SIGKILL of a child process.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark.sql import SparkSession
 from retry_helpers import drain
 from waiting import FAST, eventually
 
@@ -202,4 +203,38 @@ def test_a_push_consumer_started_after_the_crash_never_consumes_a_dead_letter(
     audit = audit_states(engine, dying | climbing, done=climbing)
     assert audit.ok, audit.describe()
     assert Counter(d.origin_msg_id for d in engine.dlq.list()) == dict.fromkeys(dying, 1)
+    engine.close()
+
+
+@pytest.mark.spark
+def test_idem_run_started_after_the_crash_leaves_no_message_dead_and_retrying(
+    spark: SparkSession,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    clock: ManualClock,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``idem run`` of the group starts on the same Redis and journal: before its query
+    runs, the dead-letterings the killed process cut short are finished."""
+    redis_server.client().flushall()
+    data_dir = tmp_path / "data"
+    config = IdemConfig(group=GROUP, redis_url=redis_server.url, data_dir=str(data_dir))
+    engine = RetryEngine(config, clock=clock)
+    dying, _climbing = _ladder(engine, clock)
+    _crash_child(redis_server, data_dir, "dead_lettered")
+    common = ["--group", GROUP, "--redis-url", redis_server.url, "--data-dir", str(data_dir)]
+    assert _audit_cli(common, capsys)[0] == 1  # dead and retrying
+
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "part-0.json").write_text(json.dumps({"order_id": "ORDER_NEW", "amount": 1}) + "\n")
+    run = ["run", "--source", str(source), "--key", "order_id", *common,
+           "--sink-delta", str(tmp_path / "sink"), "--available-now", "--timeout", "3"]  # fmt: skip
+    assert cli_main(run) == 0
+
+    code, found = _audit_cli(common, capsys)
+    assert (code, found["retrying_and_dead"], found["redis_vs_journal"]) == (0, [], [])
+    assert found["dead"] == len(dying)
+    letters = Counter(d.origin_msg_id for d in engine.dlq.list())
+    assert letters == Counter(dict.fromkeys(dying, 1))  # one row per dead message
     engine.close()
