@@ -71,6 +71,14 @@ STALL_S = 30.0
 """How long ``available_now`` waits on retries that are pending but neither due nor moving."""
 
 STOP_POLL_S = 0.25
+
+STORE_WAIT_S = 300.0
+"""How long ``idem run`` waits for Redis to answer again after its query failed on an
+outage, before it gives up (exit 1)."""
+
+MAX_STORE_RESTARTS = 10
+"""How many times in a row ``idem run`` starts its query again after a Redis outage
+without a batch completing in between, before it gives up."""
 """How often a run's waits look whether Ctrl-C or SIGTERM asked it to stop."""
 
 _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
@@ -78,7 +86,17 @@ _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
 
 
 class QueryFailed(IdemError):
-    """The streaming query stopped with an error."""
+    """The streaming query stopped with an error; ``detail`` is Spark's whole error text."""
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+    @property
+    def store_outage(self) -> bool:
+        """Whether Redis could not be reached (or was still loading its data): an outage
+        the query can be started again after, unlike a bug or a wrong setting."""
+        return _STORE_OUTAGE.search(f"{self}\n{self.detail}") is not None
 
 
 class StopSignals:
@@ -415,15 +433,12 @@ class Pipeline:
         """
         self._recover_retries()
         interrupted = False
+        timeout = self.spec.timeout_seconds
+        deadline = None if timeout is None else time.monotonic() + timeout
         with StopSignals() as signals:
             self._stop = signals.stop
             try:
-                if self.spec.available_now:
-                    self._available_now(on_started)
-                else:
-                    query = self._query(self.spec.trigger_seconds)
-                    timeout = self.spec.timeout_seconds
-                    _drive(query, lambda q: _await(q, timeout, signals.stop), on_started)
+                self._ride_out_outages(lambda: self._run_queries(deadline, on_started))
             except KeyboardInterrupt:  # a second Ctrl-C, or one outside the main thread
                 interrupted = True
             interrupted = interrupted or signals.interrupted
@@ -440,7 +455,77 @@ class Pipeline:
         except LedgerError:
             log.warning("could not settle the group's dead letters", exc_info=True)
 
-    def _available_now(self, on_started: Callable[[StreamingQuery], None] | None) -> None:
+    def _run_queries(
+        self, deadline: float | None, on_started: Callable[[StreamingQuery], None] | None
+    ) -> None:
+        """The run's queries, from their checkpoint: until the source is drained
+        (``available_now``), else until ``deadline`` or a stop signal."""
+        if self.spec.available_now:
+            self._available_now(on_started, deadline)
+        else:
+            query = self._query(self.spec.trigger_seconds)
+            _drive(query, lambda q: _await(q, _left(deadline), self._stop), on_started)
+
+    def _ride_out_outages(self, run: Callable[[], None]) -> None:
+        """``run``, started again on its checkpoint each time its query fails because Redis
+        was away, once Redis answers again.
+
+        A batch cut short by the outage is replayed by the next query, as after a
+        driver crash: its claims are re-taken under the same owner and nothing is
+        written twice. Gives up (the failure is raised) when Redis stays away for
+        :data:`STORE_WAIT_S`, or after :data:`MAX_STORE_RESTARTS` restarts in a row
+        with no batch completed in between; any other failure is raised at once.
+        """
+        restarts = 0
+        while True:
+            batches = self._batches_done()
+            try:
+                run()
+                return
+            except QueryFailed as failed:
+                if not failed.store_outage or self._stop.is_set():
+                    raise
+                if self._batches_done() > batches:
+                    restarts = 0
+                restarts += 1
+                if restarts > MAX_STORE_RESTARTS:
+                    raise
+                log.warning(
+                    "%s; Redis was away: the query starts again on its checkpoint once it "
+                    "answers (restart %d of at most %d in a row)",
+                    failed,
+                    restarts,
+                    MAX_STORE_RESTARTS,
+                )
+                if not self._store_back(failed):
+                    raise
+
+    def _batches_done(self) -> int:
+        """Batches the group has completed (0 while Redis cannot tell)."""
+        try:
+            return self.stats.totals().batches
+        except (redis.RedisError, RedisClusterException, IdemError):
+            return 0
+
+    def _store_back(self, failed: QueryFailed) -> bool:
+        """Wait until Redis answers a PING (``True``), a stop signal or :data:`STORE_WAIT_S`."""
+        deadline = time.monotonic() + STORE_WAIT_S
+        pause = 0.2
+        while not self._stop.is_set():
+            try:
+                self.client.ping()
+                return True
+            except (redis.RedisError, RedisClusterException):
+                if time.monotonic() >= deadline:
+                    log.error("Redis did not answer for %.0f s after: %s", STORE_WAIT_S, failed)
+                    return False
+            self._stop.wait(pause)
+            pause = min(pause * 2, 5.0)
+        return False
+
+    def _available_now(
+        self, on_started: Callable[[StreamingQuery], None] | None, deadline: float | None
+    ) -> None:
         """The source files there now and the retries they cause, then return.
 
         First Spark's own ``Trigger.AvailableNow``: the files present when the query
@@ -450,8 +535,6 @@ class Pipeline:
         wait for: while any is pending, a second query that takes no file picks them up
         as they come due (:meth:`_until_idle`).
         """
-        timeout = self.spec.timeout_seconds
-        deadline = None if timeout is None else time.monotonic() + timeout
         _drive(self._query(None), lambda q: _await(q, _left(deadline), self._stop), on_started)
         if self.engine.pending() == 0 or _left(deadline) == 0 or self._stop.is_set():
             return
@@ -523,6 +606,13 @@ class Pipeline:
         self.client.close()
 
 
+_STORE_OUTAGE = re.compile(
+    r"\b(?:StoreUnavailable|redis\.exceptions\.(?:ConnectionError|TimeoutError|BusyLoadingError"
+    r"|ClusterDownError|TryAgainError|MasterDownError))\b"
+)
+"""The errors of a Redis that is away or still loading, wherever the failure's text has
+them (raised on the driver, or in an executor's task)."""
+
 _CAUSE = re.compile(r"^(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*: |^\w*(?:Error|Exception)\w*: ")
 
 
@@ -567,7 +657,8 @@ def _await(
                 break
     except StreamingQueryException as exc:
         log.debug("the streaming query failed", exc_info=True)
-        raise QueryFailed(f"the streaming query failed: {root_cause(str(exc))}") from None
+        text = str(exc)
+        raise QueryFailed(f"the streaming query failed: {root_cause(text)}", detail=text) from None
     _raise_if_failed(query)
 
 
@@ -590,7 +681,8 @@ def _drive(
 def _raise_if_failed(query: StreamingQuery) -> None:
     error = query.exception()
     if error is not None:
-        raise QueryFailed(f"the streaming query failed: {root_cause(str(error))}")
+        text = str(error)
+        raise QueryFailed(f"the streaming query failed: {root_cause(text)}", detail=text)
 
 
 def report_json(report: RunReport) -> str:
