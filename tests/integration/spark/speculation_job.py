@@ -1,12 +1,15 @@
 """One micro-batch through each sink with ``spark.speculation=true`` and a straggling claim task.
 
 Run by ``test_speculation.py`` as ``python speculation_job.py MASTER REDIS_URL DATA_DIR
-EVENTS_DIR`` against a standalone cluster of two single-core executors on two hosts.
+EVENTS_DIR DELTA_JARS`` against a standalone cluster of two single-core executors on two
+hosts (``DELTA_JARS``: Delta's Spark jars, comma-separated, which the driver serves to
+the executors).
 The first attempt of one claim task stalls after it has claimed its keys in Redis,
 so Spark starts a speculative copy of it on the other host; the copy claims the
 same keys under the batch's owner token (the function sink's leases are its own
 owner's: retaken), and its verdicts are the ones Spark keeps. Prints one JSON line
-per sink: how often the sink got each key, the batch's outcome counts, how many
+per sink (a function, ``delta_sink`` on delta-rs, ``delta_sink`` on delta-spark):
+how often the sink got each key, the batch's outcome counts, how many
 keys each claim task had, and every attempt of the claim stage's tasks (from
 Spark's event log, which records each attempt, its host, whether it was a
 speculative copy and how it ended).
@@ -42,13 +45,20 @@ STALL_S = 60.0
 its speculative copy succeeds, so this is only waited out when no copy ever runs."""
 QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 """A short job: the JVMs start quickly rather than run at their peak."""
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 CLAIM_STAGE = "MapInArrow"
 """The name Spark gives the claim stage's ``mapInArrow`` in a stage's RDD scopes."""
 
 
-def main(master: str, url: str, data_dir: str, events: str) -> None:
+def main(master: str, url: str, data_dir: str, events: str, delta_jars: str) -> None:
     spark = (
         SparkSession.builder.master(master)
+        .config("spark.jars", delta_jars)
+        .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+        .config(
+            "spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+        )
         .appName("idem-speculation")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -77,8 +87,13 @@ def main(master: str, url: str, data_dir: str, events: str) -> None:
     keys_of_task = keys_per_claim_task(spark)
     stalled = max(keys_of_task, key=keys_of_task.__getitem__)
     fault = TaskFault(TaskFaultPoint.CLAIMED, TaskFaultAction.STALL, stalled, STALL_S)
-    reports = [function_sink(spark, batch, fault, url, data_dir),
-               table_sink(spark, batch, fault, url, data_dir)]  # fmt: skip
+    reports = [
+        function_sink(spark, batch, fault, url, data_dir),
+        *(
+            table_sink(spark, batch, fault, url, data_dir, engine=engine)
+            for engine in (LedgerEngine.DELTA_RS, LedgerEngine.DELTA_SPARK)
+        ),
+    ]
     spark.stop()
     attempts = claim_attempts(Path(events))
     for report in reports:
@@ -152,22 +167,29 @@ def function_sink(
 
 
 def table_sink(
-    spark: SparkSession, batch: DataFrame, fault: TaskFault, url: str, data: str
+    spark: SparkSession,
+    batch: DataFrame,
+    fault: TaskFault,
+    url: str,
+    data: str,
+    *,
+    engine: LedgerEngine,
 ) -> dict[str, Any]:
-    """The batch through ``delta_sink`` (its table is the ledger; no leases)."""
-    config = IdemConfig(group="speculation-table", redis_url=url, data_dir=data,
-                        buckets=BUCKETS, engine=LedgerEngine.DELTA_RS)  # fmt: skip
-    table = f"{data}/speculation-table"
+    """The batch through ``delta_sink`` on ``engine`` (its table is the ledger; no leases)."""
+    name = "table" if engine is LedgerEngine.DELTA_RS else f"table-{engine.value}"
+    config = IdemConfig(group=f"speculation-{name}", redis_url=url, data_dir=data,
+                        buckets=BUCKETS, engine=engine)  # fmt: skip
+    table = f"{data}/speculation-{name}"
     sink = delta_sink(table, key="order_id", config=config)
     sink.query_id = "q"
     sink.task_fault = fault
-    spark.sparkContext.setJobGroup("table", "delta sink")
+    spark.sparkContext.setJobGroup(name, f"delta sink on {engine.value}")
     outcome = sink.process(batch, 0)
     query = QueryBuilder().register("t", DeltaTable(table)).execute("SELECT key FROM t")
     keys = pa.table(query.read_all()).column(0).to_pylist()
     per_key = Counter(keys)
     return {
-        "sink": "table",
+        "sink": name,
         "per_key": sorted(set(per_key.values())),
         "keys": len(per_key),
         "applied": outcome.applied,
@@ -210,4 +232,4 @@ def claim_attempts(events: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -5,7 +5,9 @@ loopback hosts, since Spark runs a speculative copy only on another host than th
 task's running attempt), a real redis-server, ``spark.speculation=true``. The first
 attempt of one claim task stalls after claiming its keys; Spark starts a copy of it
 on the other executor, which claims the same keys under the batch's owner token (a
-retaken claim, for a function sink's leases) and whose rows Spark keeps.
+retaken claim, for a function sink's leases) and whose rows Spark keeps. The sinks: a
+function, and ``delta_sink`` on each ledger engine (Delta's Spark jars served to the
+executors by the driver).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from jvm_jars import require_jars
 from standalone_cluster import StandaloneCluster, standalone_cluster
 
 from idem.redis_server import RedisServer
@@ -42,17 +45,18 @@ def test_every_key_reaches_each_sink_once_when_spark_speculates_a_claim_task(
     events.mkdir()
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     data = str(tmp_path / "idem-data")
+    jars = ",".join(require_jars("spark", "delta-spark_"))  # served to the executors
     done = subprocess.run(
-        [sys.executable, str(JOB), cluster.master_url, redis_server.url, data, str(events)],
+        [sys.executable, str(JOB), cluster.master_url, redis_server.url, data, str(events), jars],
         capture_output=True,
         text=True,
         env=env,
-        timeout=400,
+        timeout=500,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = {r["sink"]: r for r in map(json.loads, done.stdout.splitlines())}
-    assert set(reports) == {"function", "table"}
+    assert set(reports) == {"function", "table", "table-delta-spark"}
     for sink, report in reports.items():
         stalled = report["stalled_task"]
         assert report["keys_of_task"][str(stalled)] > 0, report  # the stall fires on rows
