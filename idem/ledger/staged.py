@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
 from idem.errors import LedgerError
@@ -99,6 +98,8 @@ def parquet_opener(
     listed = list(files)
 
     def open_files() -> pa.RecordBatchReader:
+        import pyarrow.dataset as ds  # noqa: PLC0415 -- it loads pandas: only a commit needs it
+
         dataset = ds.dataset(listed, schema=schema, format="parquet", filesystem=filesystem)
         return dataset.scanner(batch_size=64 * 1024).to_reader()
 
