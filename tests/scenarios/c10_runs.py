@@ -17,6 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from in_process import cli_main_with
+
+from idem.spark.faults import KILL_AT_ENV
 from idem.spark.session import FAST_START_JAVA_OPTIONS
 
 SCHEMA = "order_id string, amount double"
@@ -39,7 +42,7 @@ def order_files(directory: Path, batches: int = 6, per_batch: int = 20) -> set[s
     return keys
 
 
-def run_command(
+def run_args(
     *,
     source: Path,
     key: str,
@@ -50,15 +53,21 @@ def run_command(
     schema: str,
     extra: list[str],
 ) -> list[str]:
-    """The ``idem run`` command line of a test: fast JVM start, a ladder of 1 s delays."""
+    """``idem run``'s arguments in a test: a ladder of 1 s delays."""
     return [
-        sys.executable, "-m", "idem.cli", "run",
-        "--source", str(source), "--key", key, "--group", group,
+        "run", "--source", str(source), "--key", key, "--group", group,
         "--redis-url", url, "--data-dir", str(data_dir),
         "--checkpoint", str(checkpoint), "--schema", schema,
         "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
-        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
         *extra,
+    ]  # fmt: skip
+
+
+def run_command(**args: Any) -> list[str]:
+    """The ``idem run`` command line of a test (:func:`run_args`), its JVM quick to start."""
+    return [
+        sys.executable, "-m", "idem.cli", *run_args(**args),
+        "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
     ]  # fmt: skip
 
 
@@ -79,6 +88,17 @@ def kill_run(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _c10_args(tmp: Path, url: str, group: str, sink_args: list[str]) -> dict[str, Any]:
+    return {
+        "source": tmp / "in", "key": "order_id", "group": group, "url": url,
+        "data_dir": tmp / "data", "checkpoint": tmp / "checkpoint", "schema": SCHEMA,
+        "extra": [
+            "--available-now", "--max-files-per-trigger", "1",
+            "--report-json", str(tmp / "report.json"), *sink_args,
+        ],
+    }  # fmt: skip
+
+
 def idem_run(
     tmp: Path,
     url: str,
@@ -90,18 +110,11 @@ def idem_run(
     env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """Run ``idem run --available-now`` once; kill it as asked; return (exit code, output)."""
-    command = run_command(
-        source=tmp / "in", key="order_id", group=group, url=url, data_dir=tmp / "data",
-        checkpoint=tmp / "checkpoint", schema=SCHEMA,
-        extra=[
-            "--available-now", "--max-files-per-trigger", "1",
-            "--report-json", str(tmp / "report.json"), *sink_args,
-        ],
-    )  # fmt: skip
+    command = run_command(**_c10_args(tmp, url, group, sink_args))
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("IDEM_SPARK_KILL_AT", None)
+    full_env.pop(KILL_AT_ENV, None)
     if kill_at:
-        full_env["IDEM_SPARK_KILL_AT"] = kill_at
+        full_env[KILL_AT_ENV] = kill_at
     log = tmp / f"run-{time.monotonic_ns()}.log"
     proc = start_run(command, log, full_env)
     try:
@@ -117,6 +130,15 @@ def idem_run(
         # The JVM is the driver's child: make sure nothing of this run survives it.
         kill_run(proc)
     return code, log.read_text(errors="replace")
+
+
+def idem_run_here(
+    tmp: Path, url: str, group: str, sink_args: list[str], *, env: dict[str, str] | None = None
+) -> int:
+    """The same run in this process, on its Spark session (the test's shared one, whose
+    settings win): a restart on the checkpoint with no JVM of its own to start. Its exit
+    code; ``env`` is set while it runs."""
+    return cli_main_with(run_args(**_c10_args(tmp, url, group, sink_args)), env or {})
 
 
 def delta_versions(path: Path) -> int:

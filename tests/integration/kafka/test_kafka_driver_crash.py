@@ -3,7 +3,8 @@ restarted on its checkpoint; every key is in the Delta sink exactly once.
 
 The crash points are idem's own (``IDEM_SPARK_KILL_AT``, :mod:`idem.spark.faults`): after
 the commit, and after the batch before Spark's commit log, one per Delta engine. The driver is
-a separate ``idem run`` process with its own local Spark and Spark's Kafka connector.
+a separate ``idem run`` process with its own local Spark and Spark's Kafka connector; the
+last start, which finishes the job, runs in the test's process on its Spark session.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+from in_process import cli_main_with
 from jvm_jars import delta_spark_conf, require_jars
 from kafka_helpers import SCHEMA, KafkaCase, resent_orders, sink_counts
 
@@ -37,27 +39,31 @@ KILL_POINTS = {
 afresh); the kills after the claim are the file-source C10's, on both engines."""
 
 
-def _idem_run(case: KafkaCase, group: str, *, kill_at: str | None = None) -> tuple[int, str]:
-    """``idem run --available-now`` of the case's topic in a process of its own."""
+def _run_args(case: KafkaCase, group: str) -> list[str]:
+    """``idem run --available-now`` of the case's topic."""
+    tmp = case.tmp_path
+    return [
+        "run", "--source", case.source, "--key", "order_id", "--schema", SCHEMA,
+        "--kafka-option", "maxOffsetsPerTrigger=100",
+        "--group", group, "--redis-url", case.redis_url, "--data-dir", str(tmp / "data"),
+        "--checkpoint", str(tmp / "checkpoint"), "--sink-delta", str(tmp / "sink"),
+        "--available-now", "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
+        "--report-json", str(tmp / "report.json"),
+    ]  # fmt: skip
+
+
+def _idem_run(case: KafkaCase, group: str, *, kill_at: str) -> tuple[int, str]:
+    """The run in a process of its own (its own JVM), killed at ``kill_at``."""
     tmp = case.tmp_path
     conf = {
         **delta_spark_conf(require_jars("spark", "delta-spark_")),
         "spark.driver.extraJavaOptions": FAST_START_JAVA_OPTIONS,
     }
     command = [
-        sys.executable, "-m", "idem.cli", "run",
-        "--source", case.source, "--key", "order_id", "--schema", SCHEMA,
-        "--kafka-option", "maxOffsetsPerTrigger=100",
-        "--group", group, "--redis-url", case.redis_url, "--data-dir", str(tmp / "data"),
-        "--checkpoint", str(tmp / "checkpoint"), "--sink-delta", str(tmp / "sink"),
-        "--available-now", "--delay-levels", "1s 1s 1s", "--max-reconsume-times", "3",
-        "--report-json", str(tmp / "report.json"),
+        sys.executable, "-m", "idem.cli", *_run_args(case, group),
         *(arg for name, value in conf.items() for arg in ("--spark-conf", f"{name}={value}")),
     ]  # fmt: skip
-    env = {**os.environ, "IDEM_ENGINE": case.engine}
-    env.pop(KILL_AT_ENV, None)
-    if kill_at:
-        env[KILL_AT_ENV] = kill_at
+    env = {**os.environ, "IDEM_ENGINE": case.engine, KILL_AT_ENV: kill_at}
     log = tmp / f"run-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -83,8 +89,8 @@ def test_c10_driver_killed_inside_batches_leaves_every_key_once(case: KafkaCase)
         assert code == -signal.SIGKILL, out[-3000:]
         assert f"crash point {point.split('@')[0]}" in out
 
-    code, out = _idem_run(case, group)
-    assert code == 0, out[-3000:]
+    # The last start finishes the job in this process, on the test's Spark session.
+    assert cli_main_with(_run_args(case, group), {"IDEM_ENGINE": case.engine}) == 0
     counts = sink_counts(case.tmp_path / "sink")
     assert set(counts) == set(keys)  # nothing lost
     assert set(counts.values()) == {1}  # nothing twice
