@@ -291,6 +291,8 @@ class DeltaLedger:
                 return CommitResult(version=None, inserted=0, replayed=True)
             if source.num_rows == 0:
                 return CommitResult(version=None, inserted=0)
+            if source.streamed and _same_columns(source.schema, table):
+                return self._append_unless_present(source, app_id, txn_version, since_ms)
             # The recency conjuncts touch only the target: delta-rs prunes by them.
             predicate = "t.bucket = s.bucket AND t.key = s.key"
             if since_ms is not None:
@@ -341,8 +343,32 @@ class DeltaLedger:
             scan_time_ms=_int_or_none(metrics.get("scan_time_ms")),
         )
 
+    def _append_unless_present(
+        self, source: _Source, app_id: str, txn_version: int, since_ms: int | None
+    ) -> CommitResult:
+        """What the MERGE does, for staged rows, without handing delta-rs their stream.
+
+        The keys the ledger holds (completed since ``since_ms``) are looked up at one
+        version, the ledger columns joined against the recent files as the MERGE's
+        ON clause would; the other rows are then appended as the checked append
+        does from that version, so a writer committing meanwhile is checked too.
+        """
+        with _sql.probe_table(source.keys.combine_chunks()) as probe:
+            version, rows = self._query(_sql.probe_sql("fingerprint", since_ms), probe=probe)
+        held = None if rows is None else rows.column("key").combine_chunks()
+        result = self._append_checked(source, app_id, txn_version, version, present=held)
+        if result is None:  # too many versions came meanwhile: look again
+            raise CommitFailedError(f"ledger {self._uri}: moved past version {version}")
+        return result
+
     def _append_checked(
-        self, source: _Source, app_id: str, txn_version: int, after_version: int
+        self,
+        source: _Source,
+        app_id: str,
+        txn_version: int,
+        after_version: int,
+        *,
+        present: pa.Array | None = None,
     ) -> CommitResult | None:
         """Append the rows no version after ``after_version`` added, at exactly the next version.
 
@@ -354,9 +380,10 @@ class DeltaLedger:
         put-if-absent commit makes check-then-commit atomic. ``None`` when
         the versions to check are gone from the log or more than
         ``_MAX_CHECKED_VERSIONS`` (the caller MERGEs instead) or there is no table.
+        ``present``: keys known to be in the ledger already (never written).
         """
         checked = after_version
-        seen: list[pa.Array] = []
+        seen: list[pa.Array] = [] if present is None or len(present) == 0 else [present]
         files: _StagedFiles | None = None  # staged rows written for an earlier attempt
         try:
             for _ in range(_APPEND_RACES):

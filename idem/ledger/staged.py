@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from idem.errors import LedgerError
 
@@ -92,14 +92,41 @@ class StagedRows:
         return rows.append_column("completed_at", pa.repeat(at, rows.num_rows))
 
 
+_READ_BATCH_ROWS = 64 * 1024
+_READ_BUFFER_BYTES = 1024 * 1024
+
+
 def parquet_opener(
     files: Sequence[str], schema: pa.Schema, filesystem: pafs.FileSystem | None = None
 ) -> Opener:
-    """An :data:`Opener` reading the Parquet ``files`` (paths on ``filesystem``) with ``schema``."""
+    """An :data:`Opener` reading the Parquet ``files`` (paths on ``filesystem``) with ``schema``.
+
+    The files are read one after another, one row group at a time, on the calling
+    thread: a dataset scanner reads ahead over files and row groups, which held
+    most of a big batch in memory before the commit could write it out.
+    """
     listed = list(files)
 
+    def batches() -> Iterator[pa.RecordBatch]:
+        for path in listed:
+            with pq.ParquetFile(
+                path, filesystem=filesystem, pre_buffer=False, buffer_size=_READ_BUFFER_BYTES
+            ) as data:
+                for batch in data.iter_batches(batch_size=_READ_BATCH_ROWS, use_threads=False):
+                    yield batch if batch.schema == schema else _conformed(batch, schema)
+
     def open_files() -> pa.RecordBatchReader:
-        dataset = ds.dataset(listed, schema=schema, format="parquet", filesystem=filesystem)
-        return dataset.scanner(batch_size=64 * 1024).to_reader()
+        return pa.RecordBatchReader.from_batches(schema, batches())
 
     return open_files
+
+
+def _conformed(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` with ``schema``'s columns, in its order and types (missing ones null)."""
+    columns = [
+        batch.column(f.name).cast(f.type)
+        if f.name in batch.schema.names
+        else pa.nulls(batch.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
