@@ -235,8 +235,10 @@ class PartitionedWriter:
         partition_by: The table's partition columns, outermost first.
         undictionaried: Columns written without a dictionary (their values are
             nearly all different).
-        buffer_bytes: Rows held over every partition before the largest buffer is written.
-        target_file_bytes: The size at which a partition's file is closed.
+        buffer_bytes: Rows held over every partition before the largest buffer is
+            written (default :data:`BUFFER_BYTES`).
+        target_file_bytes: The size at which a partition's file is closed (default
+            :data:`TARGET_FILE_BYTES`).
 
     :meth:`write` each batch, then :meth:`finish` for the add actions; on an error,
     :meth:`discard` deletes what was written.
@@ -250,8 +252,8 @@ class PartitionedWriter:
         partition_by: Sequence[str],
         *,
         undictionaried: Iterable[str] = (),
-        buffer_bytes: int = BUFFER_BYTES,
-        target_file_bytes: int = TARGET_FILE_BYTES,
+        buffer_bytes: int | None = None,
+        target_file_bytes: int | None = None,
     ) -> None:
         self.filesystem = filesystem
         self.root = root.rstrip("/")
@@ -259,8 +261,10 @@ class PartitionedWriter:
         self.file_schema = pa.schema([f for f in schema if f.name not in self.partition_by])
         plain = set(undictionaried)
         self.dictionary_columns = [n for n in self.file_schema.names if n not in plain]
-        self.buffer_bytes = buffer_bytes
-        self.target_file_bytes = target_file_bytes
+        self.buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+        self.target_file_bytes = (
+            TARGET_FILE_BYTES if target_file_bytes is None else target_file_bytes
+        )
         self.actions: list[AddAction] = []
         self.written: list[str] = []
         self.rows = 0
