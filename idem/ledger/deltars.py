@@ -50,7 +50,7 @@ from deltalake import (
     write_deltalake,
 )
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
-from deltalake.transaction import AddAction, create_table_with_add_actions
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from tenacity import (
     RetryError,
     Retrying,
@@ -225,10 +225,16 @@ class DeltaLedger:
         are retried (bounded, exponential, jittered) and then raise
         :class:`LedgerConflict`.
 
-        ``rows`` may be :class:`StagedRows`: the checks read their ledger columns
-        and the MERGE or append streams their files batch by batch, so the rows'
-        other columns are never all in this process's memory at once. Every staged
-        row is stamped with the same ``completed_at``, and a key may appear once.
+        ``rows`` may be :class:`StagedRows`: the checks read their ledger columns,
+        and the rows to insert are read from the staged files batch by batch and
+        written as the table's data files by idem (:mod:`idem.ledger._files`), a
+        bounded buffer at a time, then committed as one version; the rows' other
+        columns are never all in this process's memory at once. In place of the
+        MERGE, their keys are looked up in the recent rows and the rest appended
+        as the checked append does. (Staged rows that bring columns the table
+        lacks are streamed to delta-rs' writer instead, which evolves the schema.)
+        Every staged row is stamped with the same ``completed_at``, and a key may
+        appear once.
         """
         if not app_id:
             raise LedgerError("app_id: must be a non-empty string")
@@ -431,6 +437,11 @@ class DeltaLedger:
                         )
                     except CommitFailedError:
                         continue  # another writer took the version: check what it added
+                    except BaseException:
+                        # Whether the commit landed is not known: the files stay (once
+                        # no version names them, vacuum removes them).
+                        files = None
+                        raise
                     files = None  # committed: they are the table's now
                 self._added.remember_own(version, fresh)
                 self._saw_version(version)
@@ -729,9 +740,9 @@ class DeltaLedger:
                     commit_properties=_commit_properties(app_id, txn_version),
                 )
         except DeltaError as exc:
+            if files is not None:
+                files.discard()  # no version 0 of ours names them
             if DeltaTable.is_deltatable(self._uri, self._storage_options):
-                if files is not None:
-                    files.discard()  # another writer's version 0 is the table's
                 # Another writer created it first: go again, as a MERGE this time.
                 raise CommitFailedError(f"the ledger was created concurrently: {exc}") from exc
             raise
@@ -792,7 +803,7 @@ class _StagedFiles:
         """Append the files at the table's next version, with the batch's txn, or raise
         :class:`CommitFailedError` when another writer took that version."""
         table.create_write_transaction(
-            self.actions,
+            list[AddAction | RemoveAction](self.actions),
             mode="append",
             schema=table.schema(),
             partition_by=list(PARTITION_COLUMNS),

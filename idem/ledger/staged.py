@@ -4,7 +4,7 @@ A Delta sink that is its own ledger commits the user's columns with the ledger's
 When those rows are too many for one process's memory, the writers (Spark's
 executors) stage them as Parquet files and the committing process holds only
 the ledger columns (key, bucket, fingerprint, message ids): :class:`StagedRows`.
-The commit streams the files batch by batch into its MERGE or append, and
+The commit reads the files batch by batch as it writes the rows out, and
 decides with the ledger columns alone.
 """
 
