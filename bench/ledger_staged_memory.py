@@ -1,7 +1,7 @@
 """The committing process's memory when the delta-rs ledger commits a big staged batch.
 
-    python bench/ledger_staged_memory.py                       # 2M rows, every path
-    python bench/ledger_staged_memory.py --rows 200000 --paths append
+    python bench/ledger_staged_memory.py                       # 2M rows against 200k
+    python bench/ledger_staged_memory.py --rows 200000 --small 20000 --paths append
 
 A Delta sink on the delta-rs engine stages a micro-batch's rows as Parquet files
 and commits them from one process holding only their ledger columns
@@ -14,8 +14,9 @@ staged files, then commits them in a process of its own per commit path:
   merge    the insert-only MERGE (strict mode), into the same
 
 and reports the process's resident memory before the commit (the ledger
-columns in memory) and its peak during it, and the growth in bytes per row.
-No Spark: only the ledger and the files.
+columns in memory) and its peak during it, then per path the growth in bytes
+per row between ``--small`` and ``--rows`` rows (what a row adds, beyond the
+fixed cost of a commit). No Spark: only the ledger and the files.
 
 ``--target-file-size``, ``--max-row-group-size`` and ``--write-batch-size``
 set delta-rs' writer knobs, for comparison.
@@ -152,7 +153,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     table = Path(args.table)
     ledger = DeltaLedger(str(table))
     if args.path != "create":
-        first = staged_rows(Path(args.small))
+        first = staged_rows(Path(args.seed))
         ledger.commit(first, app_id="seed", txn_version=0, match_since_ms=None)
     rows = staged_rows(Path(args.staged))
     before = rss()
@@ -183,9 +184,33 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_child(args: argparse.Namespace, root: Path, path: str, size: int) -> dict[str, Any]:
+    """One commit along ``path`` of the ``size`` staged rows, in a process of its own."""
+    table = root / f"table-{path}-{size}"
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        f"--path={path}",
+        f"--staged={root / f'staged-{size}'}",
+        f"--seed={root / 'seed'}",
+        f"--table={table}",
+        f"--target-file-size={args.target_file_size}",
+        f"--max-row-group-size={args.max_row_group_size}",
+        f"--write-batch-size={args.write_batch_size}",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    shutil.rmtree(table, ignore_errors=True)
+    if done.returncode:
+        return {"path": path, "rows": size, "error": done.stderr.strip()[-600:]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--small", type=int, default=200_000)
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--row-bytes", type=int, default=250)
     parser.add_argument("--paths", default=",".join(PATHS))
@@ -195,7 +220,7 @@ def main() -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--staged", help=argparse.SUPPRESS)
-    parser.add_argument("--small", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -204,27 +229,24 @@ def main() -> int:
     note_chars = max(1, args.row_bytes - 50)  # the ledger's columns are about 50 bytes
     root = Path(tempfile.mkdtemp(prefix="idem-staged-"))
     try:
-        stage(root / "staged", args.rows, args.files, note_chars)
-        stage(root / "small", 1000, 1, note_chars, first_key=10**9)
+        sizes = sorted({args.small, args.rows})
+        for size in sizes:
+            stage(root / f"staged-{size}", size, args.files, note_chars)
+        stage(root / "seed", 1000, 1, note_chars, first_key=10**9)
         for path in args.paths.split(","):
-            command = [
-                sys.executable,
-                __file__,
-                "--child",
-                f"--path={path}",
-                f"--staged={root / 'staged'}",
-                f"--small={root / 'small'}",
-                f"--table={root / ('table-' + path)}",
-                f"--target-file-size={args.target_file_size}",
-                f"--max-row-group-size={args.max_row_group_size}",
-                f"--write-batch-size={args.write_batch_size}",
-            ]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode:
-                print(json.dumps({"path": path, "error": done.stderr.strip()[-600:]}))
-            else:
-                print(done.stdout.strip(), flush=True)
-            shutil.rmtree(root / ("table-" + path), ignore_errors=True)
+            grown: dict[int, int] = {}
+            for size in sizes:
+                result = run_child(args, root, path, size)
+                print(json.dumps(result), flush=True)
+                if "error" not in result:
+                    grown[size] = (result["rss_peak_mib"] - result["rss_before_mib"]) * MIB
+            if len(grown) == 2:
+                (small, a), (big, b) = sorted(grown.items())
+                print(
+                    f"{path}: growth {(b - a) / (big - small):.0f} bytes per row "
+                    f"between {small:,} and {big:,} rows",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
