@@ -362,7 +362,7 @@ class DeltaLedger:
         with _sql.probe_table(source.keys.combine_chunks()) as probe:
             version, rows = self._query(_sql.probe_sql("fingerprint", since_ms), probe=probe)
         held = None if rows is None else rows.column("key").combine_chunks()
-        result = self._append_checked(source, app_id, txn_version, version, present=held)
+        result = self._append_checked(source, app_id, txn_version, version, held=held)
         if result is None:  # too many versions came meanwhile: look again
             raise CommitFailedError(f"ledger {self._uri}: moved past version {version}")
         return result
@@ -374,7 +374,7 @@ class DeltaLedger:
         txn_version: int,
         after_version: int,
         *,
-        present: pa.Array | None = None,
+        held: pa.Array | None = None,
     ) -> CommitResult | None:
         """Append the rows no version after ``after_version`` added, at exactly the next version.
 
@@ -386,10 +386,10 @@ class DeltaLedger:
         put-if-absent commit makes check-then-commit atomic. ``None`` when
         the versions to check are gone from the log or more than
         ``_MAX_CHECKED_VERSIONS`` (the caller MERGEs instead) or there is no table.
-        ``present``: keys known to be in the ledger already (never written).
+        ``held``: keys known to be in the ledger already (never written).
         """
         checked = after_version
-        seen: list[pa.Array] = [] if present is None or len(present) == 0 else [present]
+        seen: list[pa.Array] = [] if held is None or len(held) == 0 else [held]
         files: _StagedFiles | None = None  # staged rows written for an earlier attempt
         try:
             for _ in range(_APPEND_RACES):
