@@ -688,8 +688,12 @@ class MicroBatch:
 
     def _complete(self, claimed: ClaimedBatch, rows: DataFrame, staging: Staging | None) -> _Commit:
         s = self.setup
-        # Without staging (a function sink) the rows hold the ledger columns alone.
-        table = rows.toArrow() if staging is None else rows.select(*_DRIVER_COLUMNS).toArrow()
+        payload: StagedRows | None = None
+        if staging is None:  # a function sink: the rows hold the ledger columns alone
+            table = rows.toArrow()
+        else:  # the executors stage every column; the driver reads back the ledger's
+            payload = staging.stage(rows, _DRIVER_COLUMNS)
+            table = payload.keys
         keys = table.column("key").to_pylist()
         claim = BatchClaim(
             owner=self.owner,
@@ -705,7 +709,6 @@ class MicroBatch:
             claimed_at_ms=claimed.claimed_at_ms,
         )
         meta = table.select(["msg_id", "origin_msg_id", "topic"])
-        payload: StagedRows | None = staging.stage(rows, table) if staging is not None else None
         result: CommitOutcome = s.dedup.complete(
             claim,
             batch_id=self.batch_id,

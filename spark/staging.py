@@ -22,7 +22,7 @@ import hashlib
 import logging
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,9 +99,13 @@ class Staging:
         self._fs, self._query_path = pafs.FileSystem.from_uri(self._query)
         self._batch = f"{self._query}/{self.batch_id}-{uuid.uuid4().hex[:12]}"
 
-    def stage(self, rows: DataFrame, keys: pa.Table) -> StagedRows:
-        """Write ``rows`` (every column) from the executors; ``keys`` are their ledger columns.
+    def stage(self, rows: DataFrame, columns: Sequence[str]) -> StagedRows:
+        """Write ``rows`` (every column) from the executors; hold their ``columns`` (the
+        ledger columns the commit decides with) read back from the files.
 
+        The ledger columns come from the files the executors wrote, not from a
+        second collect through the driver's JVM: they describe exactly the rows
+        staged, and a batch of millions of rows never has to fit that JVM's heap.
         What earlier batches of the query left (a crash between staging and
         commit) is removed first: one batch of a query runs at a time.
         """
@@ -109,10 +113,21 @@ class Staging:
         staged = rows.mapInArrow(StageTask(self._batch), _STAGED_SCHEMA).collect()
         files = [str(r["file"]) for r in staged]
         count = sum(int(r["rows"]) for r in staged)
+        if not files:
+            keys = rows.select(*columns).toArrow()  # no rows: nothing to gather
+            return StagedRows(keys=keys, schema=pa.schema([]), open=parquet_opener([], keys.schema))
+        schema = pq.read_schema(files[0], filesystem=self._fs)
+        keys = self._read_columns(files, list(columns))
         if count != keys.num_rows:
-            raise LedgerError(f"staging: {count} row(s) written for {keys.num_rows} ledger row(s)")
-        schema = pq.read_schema(files[0], filesystem=self._fs) if files else pa.schema([])
+            raise LedgerError(f"staging: {count} row(s) written, {keys.num_rows} read back")
         return StagedRows(keys=keys, schema=schema, open=parquet_opener(files, schema, self._fs))
+
+    def _read_columns(self, files: Sequence[str], columns: list[str]) -> pa.Table:
+        parts = []
+        for path in files:
+            with pq.ParquetFile(path, filesystem=self._fs) as data:
+                parts.append(data.read(columns=columns, use_threads=False))
+        return pa.concat_tables(parts)
 
     def remove(self) -> None:
         """Remove the batch's files, and the staging directories left empty."""

@@ -39,15 +39,18 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 from deltalake import (
     ColumnProperties,
     CommitProperties,
     DeltaTable,
+    Schema,
     Transaction,
     WriterProperties,
     write_deltalake,
 )
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 from tenacity import (
     RetryError,
     Retrying,
@@ -58,7 +61,7 @@ from tenacity import (
 
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, LedgerConflict, LedgerError
-from idem.ledger import _log, _sql
+from idem.ledger import _files, _log, _sql
 from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
@@ -222,10 +225,16 @@ class DeltaLedger:
         are retried (bounded, exponential, jittered) and then raise
         :class:`LedgerConflict`.
 
-        ``rows`` may be :class:`StagedRows`: the checks read their ledger columns
-        and the MERGE or append streams their files batch by batch, so the rows'
-        other columns are never all in this process's memory at once. Every staged
-        row is stamped with the same ``completed_at``, and a key may appear once.
+        ``rows`` may be :class:`StagedRows`: the checks read their ledger columns,
+        and the rows to insert are read from the staged files batch by batch and
+        written as the table's data files by idem (:mod:`idem.ledger._files`), a
+        bounded buffer at a time, then committed as one version; the rows' other
+        columns are never all in this process's memory at once. In place of the
+        MERGE, their keys are looked up in the recent rows and the rest appended
+        as the checked append does. (Staged rows that bring columns the table
+        lacks are streamed to delta-rs' writer instead, which evolves the schema.)
+        Every staged row is stamped with the same ``completed_at``, and a key may
+        appear once.
         """
         if not app_id:
             raise LedgerError("app_id: must be a non-empty string")
@@ -288,6 +297,8 @@ class DeltaLedger:
                 return CommitResult(version=None, inserted=0, replayed=True)
             if source.num_rows == 0:
                 return CommitResult(version=None, inserted=0)
+            if source.streamed and _same_columns(source.schema, table):
+                return self._append_unless_present(source, app_id, txn_version, since_ms)
             # The recency conjuncts touch only the target: delta-rs prunes by them.
             predicate = "t.bucket = s.bucket AND t.key = s.key"
             if since_ms is not None:
@@ -338,8 +349,32 @@ class DeltaLedger:
             scan_time_ms=_int_or_none(metrics.get("scan_time_ms")),
         )
 
+    def _append_unless_present(
+        self, source: _Source, app_id: str, txn_version: int, since_ms: int | None
+    ) -> CommitResult:
+        """What the MERGE does, for staged rows, without handing delta-rs their stream.
+
+        The keys the ledger holds (completed since ``since_ms``) are looked up at one
+        version, the ledger columns joined against the recent files as the MERGE's
+        ON clause would; the other rows are then appended as the checked append
+        does from that version, so a writer committing meanwhile is checked too.
+        """
+        with _sql.probe_table(source.keys.combine_chunks()) as probe:
+            version, rows = self._query(_sql.probe_sql("fingerprint", since_ms), probe=probe)
+        held = None if rows is None else rows.column("key").combine_chunks()
+        result = self._append_checked(source, app_id, txn_version, version, held=held)
+        if result is None:  # too many versions came meanwhile: look again
+            raise CommitFailedError(f"ledger {self._uri}: moved past version {version}")
+        return result
+
     def _append_checked(
-        self, source: _Source, app_id: str, txn_version: int, after_version: int
+        self,
+        source: _Source,
+        app_id: str,
+        txn_version: int,
+        after_version: int,
+        *,
+        held: pa.Array | None = None,
     ) -> CommitResult | None:
         """Append the rows no version after ``after_version`` added, at exactly the next version.
 
@@ -351,57 +386,131 @@ class DeltaLedger:
         put-if-absent commit makes check-then-commit atomic. ``None`` when
         the versions to check are gone from the log or more than
         ``_MAX_CHECKED_VERSIONS`` (the caller MERGEs instead) or there is no table.
+        ``held``: keys known to be in the ledger already (never written).
         """
         checked = after_version
-        seen: list[pa.Array] = []
-        for _ in range(_APPEND_RACES):
-            with self._table_lock:
-                table = self._latest()
-                if table is None:
-                    return None
-                done = table.transaction_version(app_id)
-                if done is not None and done >= txn_version:
-                    return CommitResult(version=None, inserted=0, replayed=True)
-                target = table.version()
-                if target - checked > _MAX_CHECKED_VERSIONS:
-                    return None
-                if target > checked:
-                    changed = self.keys_added_since(checked)
-                    if changed is None or changed.version < target:
-                        return None  # cannot read what came since: the caller MERGEs
-                    seen.append(changed.keys.column("key").combine_chunks())
-                    checked = changed.version
-                keys = source.keys
-                added = pa.concat_arrays(seen) if seen else None
-                present = (
-                    pc.is_in(keys, value_set=added)
-                    if added is not None
-                    else pa.repeat(False, source.num_rows)
-                )
-                # Nothing since the claim (the usual case): no copy of the rows.
-                fresh = source.index.filter(pc.invert(present)) if seen else source.index
-                # In memory the index is the rows; staged rows are filtered as they stream.
-                written = source.data(excluding=added) if source.streamed else fresh
-                try:
-                    write_deltalake(
-                        table,
-                        written,
-                        mode="append",
-                        writer_properties=WRITER_PROPERTIES,
-                        schema_mode=None if _same_columns(source.schema, table) else "merge",
-                        commit_properties=CommitProperties(
-                            max_commit_retries=0,
-                            app_transactions=[Transaction(app_id, txn_version)],
-                        ),
+        seen: list[pa.Array] = [] if held is None or len(held) == 0 else [held]
+        files: _StagedFiles | None = None  # staged rows written for an earlier attempt
+        try:
+            for _ in range(_APPEND_RACES):
+                with self._table_lock:
+                    table = self._latest()
+                    if table is None:
+                        return None
+                    done = table.transaction_version(app_id)
+                    if done is not None and done >= txn_version:
+                        return CommitResult(version=None, inserted=0, replayed=True)
+                    target = table.version()
+                    if target - checked > _MAX_CHECKED_VERSIONS:
+                        return None
+                    if target > checked:
+                        changed = self.keys_added_since(checked)
+                        if changed is None or changed.version < target:
+                            return None  # cannot read what came since: the caller MERGEs
+                        since_keys = changed.keys.column("key").combine_chunks()
+                        seen.append(since_keys)
+                        checked = changed.version
+                        if files is not None and files.holds_any(since_keys):
+                            # A racing writer committed keys these files hold: write anew.
+                            files.discard()
+                            files = None
+                    keys = source.keys
+                    added = pa.concat_arrays(seen) if seen else None
+                    present = (
+                        pc.is_in(keys, value_set=added)
+                        if added is not None
+                        else pa.repeat(False, source.num_rows)
                     )
-                except CommitFailedError:
-                    continue  # another writer took the version: check what it added
-                version = table.version()
-            self._added.remember_own(version, fresh)
-            self._saw_version(version)
-            already: list[str] = keys.filter(present).to_pylist()
-            return CommitResult(version=version, inserted=fresh.num_rows, already_present=already)
+                    # Nothing since the claim (the usual case): no copy of the rows.
+                    fresh = source.index.filter(pc.invert(present)) if seen else source.index
+                    if files is None and source.streamed and _same_columns(source.schema, table):
+                        files = self._write_staged(source, added, fresh)
+                    try:
+                        version = self._append(
+                            table,
+                            source,
+                            files,
+                            added=added,
+                            fresh=fresh,
+                            app_id=app_id,
+                            txn_version=txn_version,
+                        )
+                    except CommitFailedError:
+                        continue  # another writer took the version: check what it added
+                    except BaseException:
+                        # Whether the commit landed is not known: the files stay (once
+                        # no version names them, vacuum removes them).
+                        files = None
+                        raise
+                    files = None  # committed: they are the table's now
+                self._added.remember_own(version, fresh)
+                self._saw_version(version)
+                already: list[str] = keys.filter(present).to_pylist()
+                return CommitResult(
+                    version=version, inserted=fresh.num_rows, already_present=already
+                )
+        finally:
+            if files is not None:  # written, never committed
+                files.discard()
         raise CommitFailedError(f"{_APPEND_RACES} appends in a row lost the race for a version")
+
+    def _append(
+        self,
+        table: DeltaTable,
+        source: _Source,
+        files: _StagedFiles | None,
+        *,
+        added: pa.Array | None,
+        fresh: pa.Table,
+        app_id: str,
+        txn_version: int,
+    ) -> int:
+        """Append ``files`` (else the rows) at the table's next version and return it, or
+        raise :class:`CommitFailedError`."""
+        if files is not None:
+            # One try, no retry: the version read plus one (the handle is not moved to it).
+            next_version = table.version() + 1
+            files.commit_to(table, app_id, txn_version)
+            return next_version
+        # In memory the index is the rows; staged rows bringing new columns are
+        # streamed to delta-rs, which evolves the table's schema with them.
+        write_deltalake(
+            table,
+            source.data(excluding=added) if source.streamed else fresh,
+            mode="append",
+            writer_properties=WRITER_PROPERTIES,
+            schema_mode=None if _same_columns(source.schema, table) else "merge",
+            commit_properties=_commit_properties(app_id, txn_version),
+        )
+        # Written through the table object, it stands at our own commit's version.
+        return table.version()
+
+    def _write_staged(
+        self, source: _Source, excluding: pa.Array | None, fresh: pa.Table
+    ) -> _StagedFiles:
+        """Write the staged rows whose key is not in ``excluding`` as the table's data files."""
+        filesystem, root = _files.table_filesystem(self._uri, self._storage_options)
+        actions, written, rows = _files.write_partitioned(
+            filesystem,
+            root,
+            source.schema,
+            source.stream(excluding),
+            PARTITION_COLUMNS,
+            undictionaried=_UNIQUE_COLUMNS,
+        )
+        if rows != fresh.num_rows:
+            _files.delete_files(filesystem, written)
+            raise LedgerError(
+                f"staged rows: the files hold {rows} row(s) to commit where the ledger "
+                f"columns name {fresh.num_rows} (were the staged files changed?)"
+            )
+        return _StagedFiles(
+            actions=actions,
+            written=written,
+            keys=fresh.column("key").combine_chunks(),
+            schema=source.schema,
+            filesystem=filesystem,
+        )
 
     def _already_present(self, keys: pa.ChunkedArray, version: int) -> list[str]:
         """Source keys that our commit at ``version`` did not add (the ledger had them)."""
@@ -605,24 +714,34 @@ class DeltaLedger:
     def _create_with(self, source: _Source, app_id: str, txn_version: int) -> CommitResult:
         """Create the table with the first batch: one commit, version 0, so an index
         watermark at -1 (no table) moves to 0 with no gap of a data-less version."""
+        files = None
+        if source.streamed:
+            files = self._write_staged(source, None, source.index)
         try:
-            write_deltalake(
-                self._uri,
-                source.data(),
-                mode="error",
-                partition_by=list(PARTITION_COLUMNS),
-                writer_properties=WRITER_PROPERTIES,
-                name="idem_ledger",
-                description=describe_ledger(ENGINE, self._identity),
-                storage_options=self._storage_options,
-                commit_properties=CommitProperties(
-                    app_transactions=[Transaction(app_id, txn_version)],
+            if files is not None:
+                files.create_table(
+                    self._uri,
+                    description=describe_ledger(ENGINE, self._identity),
+                    storage_options=self._storage_options,
+                    commit_properties=_commit_properties(app_id, txn_version),
+                )
+            else:
+                write_deltalake(
+                    self._uri,
+                    source.data(),
+                    mode="error",
+                    partition_by=list(PARTITION_COLUMNS),
+                    writer_properties=WRITER_PROPERTIES,
+                    name="idem_ledger",
+                    description=describe_ledger(ENGINE, self._identity),
+                    storage_options=self._storage_options,
                     # Losing the race for version 0 must fail, not become a blind append
                     # (delta-rs' own retry would do that): we retry as a MERGE instead.
-                    max_commit_retries=0,
-                ),
-            )
+                    commit_properties=_commit_properties(app_id, txn_version),
+                )
         except DeltaError as exc:
+            if files is not None:
+                files.discard()  # no version 0 of ours names them
             if DeltaTable.is_deltatable(self._uri, self._storage_options):
                 # Another writer created it first: go again, as a MERGE this time.
                 raise CommitFailedError(f"the ledger was created concurrently: {exc}") from exc
@@ -655,6 +774,66 @@ class DeltaLedger:
             raise
         except (DeltaError, OSError, pa.ArrowException) as exc:
             raise LedgerError(f"ledger {self._uri}: {what} failed: {exc}") from exc
+
+
+def _commit_properties(app_id: str, txn_version: int) -> CommitProperties:
+    """The batch's txn, and one try at the next version: a lost race is ours to resolve
+    (delta-rs' own retry would commit the rows blind)."""
+    return CommitProperties(
+        max_commit_retries=0, app_transactions=[Transaction(app_id, txn_version)]
+    )
+
+
+@dataclass(frozen=True)
+class _StagedFiles:
+    """Staged rows written as the table's data files (:mod:`idem.ledger._files`), not yet
+    committed: :meth:`commit_to` names them in a version, :meth:`discard` deletes them."""
+
+    actions: list[AddAction]
+    written: list[str]
+    keys: pa.Array
+    schema: pa.Schema
+    filesystem: pafs.FileSystem
+
+    def holds_any(self, keys: pa.Array) -> bool:
+        """Whether any of ``keys`` is among the rows written."""
+        return bool(pc.any(pc.is_in(keys, value_set=self.keys)).as_py())
+
+    def commit_to(self, table: DeltaTable, app_id: str, txn_version: int) -> None:
+        """Append the files at the table's next version, with the batch's txn, or raise
+        :class:`CommitFailedError` when another writer took that version."""
+        table.create_write_transaction(
+            list[AddAction | RemoveAction](self.actions),
+            mode="append",
+            schema=table.schema(),
+            partition_by=list(PARTITION_COLUMNS),
+            commit_properties=_commit_properties(app_id, txn_version),
+        )
+
+    def create_table(
+        self,
+        uri: str,
+        *,
+        description: str,
+        storage_options: dict[str, str] | None,
+        commit_properties: CommitProperties,
+    ) -> None:
+        """Create the table at ``uri`` as version 0 holding the files."""
+        create_table_with_add_actions(
+            uri,
+            Schema.from_arrow(self.schema),
+            self.actions,
+            mode="error",
+            partition_by=list(PARTITION_COLUMNS),
+            name="idem_ledger",
+            description=description,
+            storage_options=storage_options,
+            commit_properties=commit_properties,
+        )
+
+    def discard(self) -> None:
+        """Delete the files (no version names them)."""
+        _files.delete_files(self.filesystem, self.written)
 
 
 def _same_columns(schema: pa.Schema, table: DeltaTable) -> bool:
@@ -722,8 +901,14 @@ class _Source:
             if excluding is None:
                 return self.index
             return self.index.filter(pc.invert(pc.is_in(self.keys, value_set=excluding)))
-        batches = self._batches(self.staged, excluding)
-        return pa.RecordBatchReader.from_batches(self.schema, batches)
+        return pa.RecordBatchReader.from_batches(self.schema, self.stream(excluding))
+
+    def stream(self, excluding: pa.Array | None = None) -> Iterator[pa.RecordBatch]:
+        """The staged rows to write, batch by batch, without those whose key is in
+        ``excluding`` (staged rows only)."""
+        if self.staged is None:
+            raise LedgerError("rows in memory are not streamed")
+        return self._batches(self.staged, excluding)
 
     def _batches(self, staged: StagedRows, excluding: pa.Array | None) -> Iterator[pa.RecordBatch]:
         for batch in staged.batches():

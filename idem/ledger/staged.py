@@ -4,7 +4,7 @@ A Delta sink that is its own ledger commits the user's columns with the ledger's
 When those rows are too many for one process's memory, the writers (Spark's
 executors) stage them as Parquet files and the committing process holds only
 the ledger columns (key, bucket, fingerprint, message ids): :class:`StagedRows`.
-The commit streams the files batch by batch into its MERGE or append, and
+The commit reads the files batch by batch as it writes the rows out, and
 decides with the ledger columns alone.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from idem.errors import LedgerError
 
@@ -91,16 +92,41 @@ class StagedRows:
         return rows.append_column("completed_at", pa.repeat(at, rows.num_rows))
 
 
+_READ_BATCH_ROWS = 64 * 1024
+_READ_BUFFER_BYTES = 1024 * 1024
+
+
 def parquet_opener(
     files: Sequence[str], schema: pa.Schema, filesystem: pafs.FileSystem | None = None
 ) -> Opener:
-    """An :data:`Opener` reading the Parquet ``files`` (paths on ``filesystem``) with ``schema``."""
+    """An :data:`Opener` reading the Parquet ``files`` (paths on ``filesystem``) with ``schema``.
+
+    The files are read one after another, one row group at a time, on the calling
+    thread: a dataset scanner reads ahead over files and row groups, which held
+    most of a big batch in memory before the commit could write it out.
+    """
     listed = list(files)
 
-    def open_files() -> pa.RecordBatchReader:
-        import pyarrow.dataset as ds  # noqa: PLC0415 -- it loads pandas: only a commit needs it
+    def batches() -> Iterator[pa.RecordBatch]:
+        for path in listed:
+            with pq.ParquetFile(
+                path, filesystem=filesystem, pre_buffer=False, buffer_size=_READ_BUFFER_BYTES
+            ) as data:
+                for batch in data.iter_batches(batch_size=_READ_BATCH_ROWS, use_threads=False):
+                    yield batch if batch.schema == schema else _conformed(batch, schema)
 
-        dataset = ds.dataset(listed, schema=schema, format="parquet", filesystem=filesystem)
-        return dataset.scanner(batch_size=64 * 1024).to_reader()
+    def open_files() -> pa.RecordBatchReader:
+        return pa.RecordBatchReader.from_batches(schema, batches())
 
     return open_files
+
+
+def _conformed(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` with ``schema``'s columns, in its order and types (missing ones null)."""
+    columns = [
+        batch.column(f.name).cast(f.type)
+        if f.name in batch.schema.names
+        else pa.nulls(batch.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)

@@ -9,6 +9,7 @@ engine directly.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,13 +29,14 @@ from idem.ledger import (
     LEDGER_SCHEMA,
     DeltaLedger,
     Ledger,
+    _files,
     conform,
     deltars,
     make_rows,
     open_ledger,
 )
 from idem.ledger._log import LOG_DIR, LocalLogStore, ObjectLogStore, commit_name, parse_commit
-from idem.ledger.schema import LedgerIdentity
+from idem.ledger.schema import LedgerIdentity, date_of_ms
 from idem.ledger.staged import StagedRows, parquet_opener
 
 pytestmark = pytest.mark.integration
@@ -869,7 +871,7 @@ def test_a_spark_ledger_commits_rows_that_stay_a_dataframe(
 
 
 def staged(
-    directory: Path, keys: Sequence[str], clock: ManualClock, *, completed_at_ms: int
+    directory: Path, keys: Sequence[str], clock: ManualClock, *, completed_at_ms: int | None
 ) -> StagedRows:
     """``keys``' rows with an ``amount`` column, written as two Parquet files (as two
     Spark tasks stage them) and held as their ledger columns alone."""
@@ -881,7 +883,7 @@ def staged(
     files = []
     for n, part in enumerate((rows.slice(0, half), rows.slice(half))):
         files.append(str(directory / f"part-{n}.parquet"))
-        pq.write_table(part, files[-1])
+        pq.write_table(part, files[-1], row_group_size=max(1, half // 3))
     return StagedRows(
         keys=rows.select(LEDGER_SCHEMA.names),
         schema=rows.schema,
@@ -936,3 +938,173 @@ def test_staged_rows_that_repeat_a_key_are_refused_naming_the_cause(
     with pytest.raises(LedgerError, match="1 key\\(s\\) appear more than once"):
         ledger.commit(rows, app_id="q", txn_version=0, match_since_ms=None)
     assert ledger.version() == -1  # nothing written
+
+
+def seed(ledger: DeltaLedger, tmp_path: Path, clock: ManualClock) -> None:
+    """Create the ledger with one staged row, ``seed``: a sink table with the user's column."""
+    rows = staged(tmp_path / "seed", ["seed"], clock, completed_at_ms=clock.now_ms())
+    ledger.commit(rows, app_id="seed", txn_version=0, match_since_ms=None)
+
+
+def data_files(table: Path) -> set[str]:
+    """Every Parquet file under the table's partition directories (named or not)."""
+    return {str(p.relative_to(table)) for p in table.glob("bucket=*/*/*.parquet")}
+
+
+def named_files(table: Path) -> set[str]:
+    """The data files the table's current version names."""
+    return {str(p) for p in DeltaTable(str(table)).get_add_actions().column("path").to_pylist()}
+
+
+@pytest.mark.parametrize("path", ["create", "merge", "append"])
+def test_staged_rows_land_once_in_their_partitions_with_stats_a_lookup_prunes_by(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Many rows over every bucket, written by idem in small pieces (buffer and file size
+    bounds shrunk): each row is read back once, in the partition of its bucket and day,
+    and each file's add action holds its row count and the ranges Delta prunes by."""
+    monkeypatch.setattr(_files, "BUFFER_BYTES", 4096)
+    monkeypatch.setattr(_files, "TARGET_FILE_BYTES", 2048)
+    table = tmp_path / "ledger"
+    ledger = DeltaLedger(str(table), clock=clock)
+    if path != "create":
+        seed(ledger, tmp_path, clock)
+    keys = [f"K{i:04d}" for i in range(3000)]
+    stamp = clock.now_ms() + 7
+    rows = staged(tmp_path / "staged", keys, clock, completed_at_ms=stamp)
+    result = ledger.commit(
+        rows,
+        app_id="big",
+        txn_version=0,
+        match_since_ms=clock.now_ms() - LEASE_MS,
+        match_after_version=0 if path == "append" else None,
+    )
+    assert result.inserted == 3000
+    stored = pa.table(
+        QueryBuilder()
+        .register("sink", DeltaTable(str(table)))
+        .execute(
+            "SELECT key, bucket, completed_date, amount FROM sink WHERE key <> 'seed' ORDER BY key"
+        )
+        .read_all()
+    )
+    assert stored.column("key").to_pylist() == keys
+    assert stored.column("bucket").to_pylist() == [bucket_of(k, BUCKETS) for k in keys]
+    assert set(stored.column("completed_date").to_pylist()) == {date_of_ms(stamp)}
+    assert stored.column("amount").to_pylist() == [float(len(k)) * 1.5 for k in keys]
+    # Several files per partition, every one of them named by the table, no strays.
+    assert data_files(table) == named_files(table)
+    actions = pa.table(DeltaTable(str(table)).get_add_actions(flatten=True))
+    partitions = {
+        (a["partition.bucket"], a["partition.completed_date"]) for a in actions.to_pylist()
+    }
+    assert actions.num_rows > len(partitions)
+    checked = 0
+    for action in actions.to_pylist():
+        if action["num_records"] == 1:
+            continue  # the seed's file
+        held = pq.read_table(table / action["path"], columns=["key", "completed_at", "msg_id"])
+        assert action["num_records"] == held.num_rows
+        assert action["partition.bucket"] == bucket_of(action["min.key"], BUCKETS)
+        assert (action["min.key"], action["max.key"]) == (
+            min(held.column("key").to_pylist()),
+            max(held.column("key").to_pylist()),
+        )
+        assert action["null_count.msg_id"] == held.num_rows  # staged without message ids
+        assert action["min.completed_at"] == action["max.completed_at"]
+        assert int(action["min.completed_at"].timestamp() * 1000) == stamp
+        checked += 1
+    assert checked == actions.num_rows - (0 if path == "create" else 1)
+    # A lookup of one key reads only the files whose key range holds it.
+    holding = [a for a in actions.to_pylist() if a["min.key"] <= PROBED <= a["max.key"]]
+    assert 0 < len(holding) < actions.num_rows
+    plan = (
+        QueryBuilder()
+        .register("sink", DeltaTable(str(table)))
+        .execute(f"EXPLAIN ANALYZE {PROBE_SQL}")
+        .read_all()
+    )
+    scanned = re.findall(r"part-[^,\]]*\.parquet", pa.table(plan).column("plan")[0].as_py())
+    assert sorted(scanned) == sorted(Path(a["path"]).name for a in holding)
+    assert ledger.existing([PROBED], since_ms=None) == {PROBED: f"fp-{PROBED}"}
+
+
+PROBED = "K1234"
+PROBE_SQL = "SELECT key FROM sink WHERE key = 'K1234'"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["racer-shares-a-key", "disjoint-racer"])
+def test_a_staged_append_that_loses_the_race_writes_no_key_twice_and_leaves_no_files(
+    tmp_path: Path, clock: ManualClock, monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """Another writer commits between our files' writing and their commit: our commit
+    loses the version, checks what the other added, and commits again (writing anew when
+    the other added a key our files hold). Files that were never committed are removed."""
+    table = tmp_path / "ledger"
+    ours, theirs = DeltaLedger(str(table), clock=clock), DeltaLedger(str(table), clock=clock)
+    seed(ours, tmp_path, clock)
+    racer = ["C", "R"] if overlap else ["R"]
+    real = deltars._StagedFiles.commit_to
+    commits: list[int] = []
+
+    def after_another_writer(self: Any, table_: DeltaTable, app_id: str, txn: int) -> None:
+        if self.keys.to_pylist() == racer:
+            real(self, table_, app_id, txn)  # the other writer's own commit
+            return
+        if not commits:
+            rows = staged(tmp_path / "theirs", racer, clock, completed_at_ms=clock.now_ms())
+            theirs.commit(
+                rows, app_id="theirs", txn_version=0, match_since_ms=0, match_after_version=0
+            )
+        commits.append(len(self.actions))
+        real(self, table_, app_id, txn)
+
+    monkeypatch.setattr(deltars._StagedFiles, "commit_to", after_another_writer)
+    rows = staged(tmp_path / "ours", ["A", "B", "C"], clock, completed_at_ms=clock.now_ms())
+    result = ours.commit(
+        rows, app_id="ours", txn_version=0, match_since_ms=0, match_after_version=0
+    )
+    assert len(commits) == 2  # lost the version once, then landed
+    assert result.version == 2
+    assert result.already_present == (["C"] if overlap else [])
+    assert ledger_keys(ours) == sorted({"seed", "A", "B", "C", "R"})
+    assert ours.audit() == []
+    assert data_files(table) == named_files(table)  # the lost attempt's files are gone
+    # A replay of the same batch (a restarted query) writes no file at all.
+    before = data_files(table)
+    again = ours.commit(
+        staged(tmp_path / "again", ["A", "B", "C"], clock, completed_at_ms=clock.now_ms()),
+        app_id="ours",
+        txn_version=0,
+        match_since_ms=0,
+        match_after_version=0,
+    )
+    assert again.replayed
+    assert data_files(table) == before
+
+
+def test_two_writers_creating_a_ledger_from_staged_rows_insert_each_key_once(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """Both write their files, one creates the table; the other's files are removed and
+    its rows go in again, checked against the first's."""
+    table = tmp_path / "ledger"
+    writers = [DeltaLedger(str(table), clock=clock), DeltaLedger(str(table), clock=clock)]
+    shared = [f"S{i}" for i in range(50)]
+    batches = [
+        staged(
+            tmp_path / f"w{w}",
+            [f"W{w}-{i}" for i in range(50)] + shared,
+            clock,
+            completed_at_ms=clock.now_ms(),
+        )
+        for w in range(2)
+    ]
+    results = race(
+        lambda w: writers[w].commit(batches[w], app_id=f"w{w}", txn_version=0, match_since_ms=0)
+    )
+    assert sorted(r.version for r in results) == [0, 1]
+    assert sorted(results[0].already_present + results[1].already_present) == sorted(shared)
+    assert writers[0].audit() == []
+    assert len(ledger_keys(writers[0])) == 150
+    assert data_files(table) == named_files(table)
