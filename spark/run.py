@@ -71,6 +71,7 @@ STALL_S = 30.0
 """How long ``available_now`` waits on retries that are pending but neither due nor moving."""
 
 STOP_POLL_S = 0.25
+"""How often a run's waits look whether Ctrl-C or SIGTERM asked it to stop."""
 
 STORE_WAIT_S = 300.0
 """How long ``idem run`` waits for Redis to answer again after its query failed on an
@@ -79,7 +80,6 @@ outage, before it gives up (exit 1)."""
 MAX_STORE_RESTARTS = 10
 """How many times in a row ``idem run`` starts its query again after a Redis outage
 without a batch completing in between, before it gives up."""
-"""How often a run's waits look whether Ctrl-C or SIGTERM asked it to stop."""
 
 _WAITING = ("Waiting for next trigger", "Waiting for data to arrive")
 """Spark's status messages of a query that has nothing to do."""
@@ -474,7 +474,8 @@ class Pipeline:
         driver crash: its claims are re-taken under the same owner and nothing is
         written twice. Gives up (the failure is raised) when Redis stays away for
         :data:`STORE_WAIT_S`, or after :data:`MAX_STORE_RESTARTS` restarts in a row
-        with no batch completed in between; any other failure is raised at once.
+        with no batch completed in between; any other failure is raised at once. A stop
+        signal during the wait ends the run as it would have ended the query.
         """
         restarts = 0
         while True:
@@ -498,6 +499,8 @@ class Pipeline:
                     MAX_STORE_RESTARTS,
                 )
                 if not self._store_back(failed):
+                    if self._stop.is_set():
+                        return  # Ctrl-C or SIGTERM while waiting: stop as asked
                     raise
 
     def _batches_done(self) -> int:
