@@ -18,6 +18,13 @@ from idem.dedup import Dedup
 from idem.lease_keeper import LeaseKeeper
 
 
+def _publish(path: str, value: object) -> None:
+    """Write ``value`` as JSON to ``path`` at once: the test reads it as soon as it exists."""
+    part = Path(f"{path}.part")
+    part.write_text(json.dumps(value), encoding="utf-8")
+    part.replace(path)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     config = IdemConfig(
@@ -32,18 +39,16 @@ def main() -> None:
     claim = dedup.begin(keys, owner=spec["owner"])
     fresh = [keys[i] for i in claim.fresh]
     with LeaseKeeper(dedup, fresh, spec["owner"]):
-        Path(spec["claimed"]).write_text(json.dumps(fresh), encoding="utf-8")
+        _publish(spec["claimed"], fresh)
         time.sleep(spec["work_s"])  # the sink's work; SIGSTOP lands here
     outcome = dedup.complete(claim, batch_id=1)
-    Path(spec["outcome"]).write_text(
-        json.dumps(
-            {
-                "committed": outcome.committed,
-                "slipped": list(outcome.slipped),
-                "fenced": list(outcome.fenced),
-            }
-        ),
-        encoding="utf-8",
+    _publish(
+        spec["outcome"],
+        {
+            "committed": outcome.committed,
+            "slipped": list(outcome.slipped),
+            "fenced": list(outcome.fenced),
+        },
     )
     dedup.close()
 
