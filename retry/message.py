@@ -67,30 +67,26 @@ def dlq_topic(group: str) -> str:
     return f"%DLQ%{group}"
 
 
-def new_msg_id(group: str, failed_msg_id: str, reconsume_times: int) -> str:
-    """The msg id of the resend (the ``reconsume_times``-th) of the delivery ``failed_msg_id``
-    in ``group``.
+def new_msg_id(group: str, failed_msg_id: str) -> str:
+    """The msg id of the resend of the delivery ``failed_msg_id`` in ``group``.
 
     A new id on every resend, as the broker gives; derived rather than random so
     that a send-back repeated after an unknown outcome (timeout, crash) names the
     same message and is stored once. Derived from the failed delivery's own id, not
     its ``ORIGIN_MESSAGE_ID``: that is a property a producer may have copied onto
     different messages (forwarding a consumed one), and their resends must not merge.
+
+    One id per failed delivery, whatever the reason it is sent back (a failed consume,
+    a busy key, the consume timeout): two consumers that each hold a copy of one
+    delivery (a local re-submit during a Redis outage, and the retry topic's copy
+    taken over meanwhile) and each send it back place one message, not two chains.
     """
-    digest = hashlib.blake2b(
-        f"{group}\x00{failed_msg_id}\x00{reconsume_times}".encode(), digest_size=16
-    )
+    digest = hashlib.blake2b(f"{group}\x00resend\x00{failed_msg_id}".encode(), digest_size=16)
     return digest.hexdigest().upper()
 
 
-def busy_msg_id(group: str, msg_id: str) -> str:
-    """The msg id of ``msg_id`` sent back because its key was busy (not a failed consume).
-
-    Derived from the copy it replaces, so a repeated busy send-back of one copy
-    is stored once, and never equal to a counting resend's :func:`new_msg_id`.
-    """
-    digest = hashlib.blake2b(f"{group}\x00busy\x00{msg_id}".encode(), digest_size=16)
-    return digest.hexdigest().upper()
+busy_msg_id = new_msg_id
+"""The msg id of a delivery sent back because its key was busy: :func:`new_msg_id`."""
 
 
 def _frozen(properties: Mapping[str, str]) -> Mapping[str, str]:

@@ -39,7 +39,6 @@ from idem.retry.message import (
     FailureRecord,
     MessageConst,
     MessageExt,
-    busy_msg_id,
     failure_properties,
     first_failed_at,
     new_msg_id,
@@ -162,7 +161,7 @@ class SendBackProcessor:
         due = now + delay.delay_ms
         reconsume_times = message.reconsume_times + 1
         props = failure_properties(message, failure)
-        msg_id = new_msg_id(self.group, message.msg_id, reconsume_times)
+        msg_id = new_msg_id(self.group, message.msg_id)
         scheduled = self._build(
             message,
             msg_id,
@@ -199,7 +198,8 @@ class SendBackProcessor:
         ``reconsume_times`` and the failure history are kept (a key that is only
         busy is never dead-lettered for it); the delay is ``delay_level``
         (clamped to the ladder, default 1); the new msg id is derived from
-        ``message.msg_id`` (:func:`~idem.retry.message.busy_msg_id`). Only a
+        ``message.msg_id`` (:func:`~idem.retry.message.new_msg_id`, as a failure's
+        resend of that copy would be: one copy is placed once). Only a
         message over ``max_message_bytes`` is dead-lettered (no path could
         schedule it), its history unchanged.
         """
@@ -208,7 +208,7 @@ class SendBackProcessor:
         due = self.clock.now_ms() + delay_ms
         scheduled = self._build(
             message,
-            busy_msg_id(self.group, message.msg_id),
+            new_msg_id(self.group, message.msg_id),
             reconsume_times=message.reconsume_times,
             level=level,
             due=due,

@@ -181,6 +181,33 @@ def test_a_dead_consumers_messages_are_reclaimed(
     _assert_invariant(engine, {"M0", "M1", "M2"}, {"M0", "M1", "M2"})
 
 
+def test_two_holders_of_one_delivery_sending_it_back_place_one_retry(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # one consumer's listener fails the retry; another, which took the delivery over, finds
+    # the key busy: one delivery, so one message on the ladder, not two chains
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_two_holders"), clock=clock)
+    engine.send_back(_messages(1), delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    topic = RetryTopic(engine.store, reclaim_idle_ms=50)
+    (first,) = topic.read("slow-consumer", 10)
+    time.sleep(0.1)
+    (taken,) = topic.read("survivor", 10)
+    assert taken.msg_id == first.msg_id
+    failed = engine.send_back([first], delay_level=1).outcomes[0]
+    busy = engine.send_back_busy([taken], delay_level=1).outcomes[0]
+    assert failed.status is busy.status is SendBackStatus.SCHEDULED
+    live = [e for e in engine.store.live_entries() if e.origin_msg_id == "M0"]
+    assert [e.msg_id for e in live] == [failed.new_msg_id]
+    clock.advance(1)
+    engine.tick()
+    (again,) = topic.read("survivor", 10)
+    assert topic.read("survivor", 10) == []
+    engine.ack([again])
+    _assert_invariant(engine, {"M0"}, {"M0"})
+
+
 @pytest.mark.parametrize(
     ("stop", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["sigterm", "sigint"]
 )
