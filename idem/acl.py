@@ -65,6 +65,8 @@ GROUP_COMMANDS: tuple[str, ...] = (
     "zadd",
     "zrange",
     "zrangebyscore",
+    "zremrangebyscore",
+    "zscore",
     "zpopmin",
     "zrem",
     "zcard",

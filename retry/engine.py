@@ -253,12 +253,7 @@ class RetryEngine:
             decision.level,
             decision.queue_id,
             decision.due_ms,
-            # only a message read from the retry topic can still be live in Redis (a busy
-            # resend keeps reconsume_times 0 but carries ORIGIN_MESSAGE_ID)
-            replaces=original.msg_id
-            if original.reconsume_times > 0
-            or MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in original.properties
-            else None,
+            replaces=original.msg_id if _may_be_live(original) else None,
             wire=decision.wire,
             at_ms=now,
         )
@@ -719,3 +714,20 @@ def _count_outcomes(
         metrics.count("retries_scheduled", group, n, level=level)
     for reason, n in reasons.items():
         metrics.count("dead_letters", group, n, reason=reason)
+
+
+def _may_be_live(message: MessageExt) -> bool:
+    """Whether ``message`` may be a live retry in Redis, which its send-back replaces.
+
+    Only a message read from the retry topic can be: a resend counts a reconsume, a busy
+    resend keeps ``reconsume_times`` 0 but carries ``ORIGIN_MESSAGE_ID``. A dead letter
+    being replayed carries it too, with ``reconsume_times`` reset: it starts a new chain
+    and replaces nothing (its dead copy left the ladder).
+    """
+    if message.reconsume_times > 0:
+        return True
+    props = message.properties
+    return (
+        MessageConst.PROPERTY_ORIGIN_MESSAGE_ID in props
+        and MessageConst.PROPERTY_REPLAYED_BY not in props
+    )

@@ -389,8 +389,9 @@ class RetryJournal:
         parsed = parse_base_cursor(raw)
         row = parsed[1] if parsed is not None and parsed[0] == base.version else 0
         later, _ = self.read_since(base.resumes_at)
-        removed = {event.removes for _pos, event in later if event.removes}
-        rows = base.live
+        # (the cursor counts the base's rows: the same however many events come after it)
+        rows = [as_scheduled(e) for e in base.live]
+        after = live_messages(rows + [e for _pos, e in later])
         total = ApplyResult()
         expect = raw
         while True:
@@ -398,7 +399,8 @@ class RetryJournal:
             row += len(chunk)
             done = row >= len(rows)
             new = str(base.resumes_at) if done else cursor_in_base(base.version, row)
-            ops = [op for e in chunk if e.msg_id not in removed for op in as_scheduled(e).ops()]
+            # the rows still live after the events since, as they stand in the base
+            ops = [op for e in chunk if after.get(e.msg_id) is e for op in e.ops()]
             result = store.apply(ops, expect=expect, new=new)
             if isinstance(result, str):
                 return None

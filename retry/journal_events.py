@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from idem.retry.store import Op
+from idem.retry.store import REPLACED_KEPT_MS, Op
 
 
 class JournalEventType(StrEnum):
@@ -77,22 +77,26 @@ class JournalEvent:
         return self.msg_id
 
     def ops(self, *, schedule: bool = True) -> list[Op]:
-        """The apply.lua steps of this event (``schedule=False`` keeps only the removal)."""
-        out: list[Op] = []
-        if self.removes:
-            out.append(Op("R", self.removes))
-        if schedule and self.event is JournalEventType.SCHEDULED:
-            out.append(
+        """The apply.lua steps of this event (``schedule=False``: everything but placing the
+        message, which a later event of the same slice removes again)."""
+        if self.event is JournalEventType.SCHEDULED:
+            if not schedule and not self.removes:
+                return []
+            return [
                 Op(
-                    "S",
+                    "S" if schedule else "X",
                     self.msg_id,
                     self.origin_msg_id,
                     self.queue_id or "",
                     self.due_ms or 0,
                     self.wire or "",
+                    replaces=self.removes or "",
+                    at_ms=self.at_ms,
                 )
-            )
-        return out
+            ]
+        if self.removes:
+            return [Op("R", self.removes, at_ms=self.at_ms)]
+        return []
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> JournalEvent:
@@ -161,11 +165,28 @@ def plan(events: Sequence[tuple[JournalPosition, JournalEvent]]) -> list[list[Op
 
 
 def live_messages(events: Iterable[JournalEvent]) -> dict[str, JournalEvent]:
-    """Msg id -> scheduling event of every message live after ``events`` (journal order)."""
+    """Msg id -> scheduling event of every message live after ``events`` (journal order).
+
+    As apply.lua decides: a message is replaced once. A send-back of a message replaced
+    within :data:`~idem.retry.store.REPLACED_KEPT_MS` (journal time) before it, or one
+    placing such a message again, is a late copy and changes nothing.
+    """
     live: dict[str, JournalEvent] = {}
+    replaced: dict[str, int] = {}
+
+    def late(msg_id: str, at_ms: int) -> bool:
+        when = replaced.get(msg_id)
+        return when is not None and at_ms - when <= REPLACED_KEPT_MS
+
     for event in events:
-        if event.removes:
-            live.pop(event.removes, None)
         if event.event is JournalEventType.SCHEDULED:
+            gone = event.removes
+            if late(event.msg_id, event.at_ms) or (gone is not None and late(gone, event.at_ms)):
+                continue
+            if gone is not None:
+                live.pop(gone, None)
+                replaced[gone] = event.at_ms
             live.setdefault(event.msg_id, event)
+        elif event.removes:
+            live.pop(event.removes, None)
     return live

@@ -52,6 +52,10 @@ class MessageConst:
     # idem's own additions, prefixed so they never collide with RocketMQ's.
     PROPERTY_FIRST_FAILED_AT: Final = "IDEM_FIRST_FAILED_AT"
     PROPERTY_ERRORS: Final = "IDEM_ERRORS"
+    PROPERTY_REPLAYED_BY: Final = "IDEM_REPLAYED_BY"
+    """On a message replayed from ``%DLQ%<group>``: ``user@host`` that replayed it."""
+    PROPERTY_REPLAYED_AT: Final = "IDEM_REPLAYED_AT"
+    """On a message replayed from ``%DLQ%<group>``: when (epoch ms)."""
     PROPERTY_UNDECODABLE: Final = "IDEM_UNDECODABLE"
     """On a placeholder for a stored entry that is not a message: why (the same marker as
     :data:`idem.retry.consumer.topics.UNDECODABLE`)."""

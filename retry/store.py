@@ -12,6 +12,8 @@ schedule queue to the retry topic is one atomic script, also on Redis Cluster:
                                                ``delayOffset``); arrival and retry offsets
 ``rmq:{g}:%RETRY%<g>``                 STREAM  the retry topic, read by consumer group ``g``
 ``rmq:{g}:live``                       HASH    msg_id -> where it is (scheduled / retrying)
+``rmq:{g}:replaced``                   ZSET    msg_id -> journal time it was replaced (kept
+                                               :data:`REPLACED_KEPT_MS`)
 ``rmq:{g}:journal:cursor``             STRING  next retry-journal position applied here
 =====================================  ======  ==============================================
 
@@ -33,6 +35,11 @@ from redis.commands.core import Script
 
 from idem.redis_cluster import RedisClient
 from idem.retry.message import SCHEDULE_TOPIC, TIMER_QUEUE, retry_topic
+
+REPLACED_KEPT_MS = 6 * 3600 * 1000
+"""How long (journal time) a replaced message is remembered: a copy of it sent back again
+within that time, or the message placed again, is a late copy and changes nothing. Copies
+outlive their replacement by a consume timeout and a few re-submits, not by hours."""
 
 APPLY_CHUNK = 1000
 """Ops per apply.lua call: large enough to amortise the round trip, small enough not to stall
@@ -59,7 +66,15 @@ class RetryKeys:
     @property
     def fixed(self) -> list[str]:
         """The group's keys other than its schedule queues, in apply.lua's KEYS order."""
-        return [self.cursor, self.live, self.payloads, self.heads, self.stream, self.progress]
+        return [
+            self.cursor,
+            self.live,
+            self.payloads,
+            self.heads,
+            self.stream,
+            self.progress,
+            self.replaced,
+        ]
 
     def queue(self, queue_id: str) -> str:
         """The schedule queue ``queue_id`` (``level - 1``, or ``timer``)."""
@@ -91,6 +106,11 @@ class RetryKeys:
         return f"{self.prefix}:live"
 
     @property
+    def replaced(self) -> str:
+        """Msg id -> journal time (ms) of the send-back that replaced it."""
+        return f"{self.prefix}:replaced"
+
+    @property
     def cursor(self) -> str:
         """The next retry-journal position this Redis has applied up to."""
         return f"{self.prefix}:journal:cursor"
@@ -120,14 +140,21 @@ class LiveState(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One step of apply.lua: schedule a message (``S``) or remove one (``R``)."""
+    """One step of apply.lua: schedule a message (``S``), do all a scheduling does but
+    schedule it (``X``: it is removed again later in the same slice), or remove one (``R``).
 
-    kind: Literal["S", "R"]
+    ``replaces`` names the message a schedule takes the place of; ``at_ms`` is the journal
+    time of the event, against which :data:`REPLACED_KEPT_MS` is measured.
+    """
+
+    kind: Literal["S", "X", "R"]
     msg_id: str
     origin: str = ""
     queue_id: str = ""
     due_ms: int = 0
     wire: str = ""
+    replaces: str = ""
+    at_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,9 +241,11 @@ class ScheduleStore:
                     op.queue_id,
                     op.due_ms,
                     op.wire,
+                    op.replaces,
+                    op.at_ms,
                 ]
             else:
-                args += ["R", op.msg_id, "", "", "", "", ""]
+                args += [op.kind, op.msg_id, "", "", "", "", "", op.replaces, op.at_ms]
         return keys, args
 
     def apply(self, ops: Sequence[Op], *, expect: str | None, new: str) -> ApplyResult | str:
@@ -228,7 +257,15 @@ class ScheduleStore:
         keys, args = self._apply_args(ops)
         reply = self._apply(
             keys=keys,
-            args=["cursor", expect or "", new, self.group, self.keys.wake_channel, *args],
+            args=[
+                "cursor",
+                expect or "",
+                new,
+                self.group,
+                self.keys.wake_channel,
+                REPLACED_KEPT_MS,
+                *args,
+            ],
         )
         if int(reply[0]) == 0:
             return _text(reply[1])
@@ -240,7 +277,16 @@ class ScheduleStore:
         for start in range(0, len(ops), APPLY_CHUNK):
             keys, args = self._apply_args(ops[start : start + APPLY_CHUNK])
             reply = self._apply(
-                keys=keys, args=["direct", "", "", self.group, self.keys.wake_channel, *args]
+                keys=keys,
+                args=[
+                    "direct",
+                    "",
+                    "",
+                    self.group,
+                    self.keys.wake_channel,
+                    REPLACED_KEPT_MS,
+                    *args,
+                ],
             )
             total += ApplyResult(int(reply[1]), int(reply[2]), int(reply[3]))
         return total

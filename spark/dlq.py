@@ -25,15 +25,15 @@ from idem.errors import ConfigError, LedgerError
 from idem.ledger.schema import datetime_of_ms
 from idem.retry.dlq import DeadLetter, DeadLetterStatus, current_user
 from idem.retry.engine import RetryEngine
-from idem.retry.message import MessageExt
+from idem.retry.message import MessageConst, MessageExt, new_msg_id
 from idem.spark.messages import SCHEMA_PROPERTY
 from idem.spark.rows import RowCodec
 from idem.spark.stats import StatsStore
 
-REPLAYED_BY_PROPERTY = "IDEM_REPLAYED_BY"
+REPLAYED_BY_PROPERTY = MessageConst.PROPERTY_REPLAYED_BY
 """Message property: ``user@host`` that replayed the dead letter."""
 
-REPLAYED_AT_PROPERTY = "IDEM_REPLAYED_AT"
+REPLAYED_AT_PROPERTY = MessageConst.PROPERTY_REPLAYED_AT
 """Message property: when (epoch ms) the dead letter was replayed."""
 
 REPLAY_LEVEL = 1
@@ -146,8 +146,16 @@ def select(engine: RetryEngine, selection: Selection) -> Picked:
 
 
 def replay_message(letter: DeadLetter, *, by: str, at_ms: int) -> MessageExt:
-    """The message a replay sends: the dead one, ``reconsume_times`` reset, who/when stamped."""
+    """The message a replay sends: the dead one, ``reconsume_times`` reset, who/when stamped.
+
+    A letter replayed before (and chosen again) is sent as a copy with an id of its own
+    for that replay, so its resend is a message the first replay's chain never placed.
+    """
     message = letter.to_message().evolve(reconsume_times=0)
+    if letter.replayed_at_ms is not None:
+        message = message.evolve(
+            msg_id=new_msg_id(letter.group, f"{letter.msg_id}@{letter.replayed_at_ms}")
+        )
     return message.with_properties(**{REPLAYED_BY_PROPERTY: by, REPLAYED_AT_PROPERTY: str(at_ms)})
 
 
@@ -180,7 +188,11 @@ def replay(
             )
         # A letter the policy dead-letters again at once stays DEAD: it was not replayed.
         again = {(o.origin_msg_id, o.msg_id) for o in result.dead}
-        left = [d for d in chunk if (d.origin_msg_id, d.msg_id) not in again]
+        left = [
+            d
+            for d, m in zip(chunk, messages, strict=True)
+            if (m.origin_msg_id, m.msg_id) not in again
+        ]
         marked += engine.dlq.mark_replayed(left, at_ms=now, by=by)
         StatsStore(engine.client, engine.group, marker_ttl_ms=engine.config.dedup_window_ms).add(
             "dlq_replayed", len(left)

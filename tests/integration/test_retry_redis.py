@@ -181,12 +181,11 @@ def test_a_dead_consumers_messages_are_reclaimed(
     _assert_invariant(engine, {"M0", "M1", "M2"}, {"M0", "M1", "M2"})
 
 
-def test_two_holders_of_one_delivery_sending_it_back_place_one_retry(
-    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
-) -> None:
-    # one consumer's listener fails the retry; another, which took the delivery over, finds
-    # the key busy: one delivery, so one message on the ladder, not two chains
-    engine = RetryEngine(_config(tmp_path, redis_server, "CID_two_holders"), clock=clock)
+def _held_twice(
+    engine: RetryEngine, clock: ManualClock
+) -> tuple[MessageExt, MessageExt, RetryTopic]:
+    """M0 sent back and delivered to a slow consumer, then taken over by a survivor: the
+    two copies of the one delivery, and the topic they were read from."""
     engine.send_back(_messages(1), delay_level=1)
     clock.advance(1)
     engine.tick()
@@ -195,6 +194,16 @@ def test_two_holders_of_one_delivery_sending_it_back_place_one_retry(
     time.sleep(0.1)
     (taken,) = topic.read("survivor", 10)
     assert taken.msg_id == first.msg_id
+    return first, taken, topic
+
+
+def test_two_holders_of_one_delivery_sending_it_back_place_one_retry(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # one consumer's listener fails the retry; another, which took the delivery over, finds
+    # the key busy: one delivery, so one message on the ladder, not two chains
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_two_holders"), clock=clock)
+    first, taken, topic = _held_twice(engine, clock)
     failed = engine.send_back([first], delay_level=1).outcomes[0]
     busy = engine.send_back_busy([taken], delay_level=1).outcomes[0]
     assert failed.status is busy.status is SendBackStatus.SCHEDULED
@@ -206,6 +215,87 @@ def test_two_holders_of_one_delivery_sending_it_back_place_one_retry(
     assert topic.read("survivor", 10) == []
     engine.ack([again])
     _assert_invariant(engine, {"M0"}, {"M0"})
+
+
+def _live(engine: RetryEngine, origin: str) -> list[str]:
+    """Msg ids of the live retries of ``origin``, as Redis and as the journal hold them."""
+    in_redis = sorted(e.msg_id for e in engine.store.live_entries() if e.origin_msg_id == origin)
+    in_journal = sorted(m for m, e in engine.journal.live().items() if e.origin_msg_id == origin)
+    assert in_redis == in_journal, "Redis and the journal disagree"
+    return in_redis
+
+
+def test_a_delivery_redelivered_after_its_retry_moved_on_starts_no_second_chain(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # M0 fails, its retry fails too (the chain is at its second copy), then M0 is delivered
+    # again (its offset was not persisted) and fails: the chain goes on in one message
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_redelivered"), clock=clock)
+    (original,) = _messages(1)
+    engine.send_back([original], delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    (first,) = engine.poll_retry("c", 10)
+    second = engine.send_back([first], delay_level=1).outcomes[0].new_msg_id
+    again = engine.send_back([original], delay_level=1).outcomes[0]
+    assert again.status is SendBackStatus.SCHEDULED
+    assert _live(engine, "M0") == [second]
+    clock.advance(1)
+    engine.tick()
+    (last,) = engine.poll_retry("c", 10)
+    assert last.msg_id == second
+    engine.ack([last])
+    clock.advance(1)
+    engine.tick()
+    assert engine.poll_retry("c", 10) == []
+    _assert_invariant(engine, {"M0"}, {"M0"})
+
+
+def test_a_late_copy_sent_back_after_its_chain_ended_places_nothing(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # two holders of one retry delivery: one fails it, and its resend is consumed; the
+    # other, late, finds the key busy and sends its copy back: the chain has ended
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_late_copy"), clock=clock)
+    first, late, _topic = _held_twice(engine, clock)
+    engine.send_back([first], delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    (resend,) = engine.poll_retry("survivor", 10)
+    engine.ack([resend])
+    assert engine.send_back_busy([late], delay_level=1).outcomes[0].status is (
+        SendBackStatus.SCHEDULED
+    )
+    assert _live(engine, "M0") == []
+    clock.advance(1)
+    engine.tick()
+    assert engine.poll_retry("survivor", 10) == []
+    _assert_invariant(engine, {"M0"}, {"M0"})
+
+
+def test_a_dead_letter_replayed_twice_is_placed_twice(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # the first replay's copy fails again (replaced by its resend, which is consumed); the
+    # letter, chosen again, is placed again: a replay starts a chain of its own
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_replay_twice"), clock=clock)
+    engine.send_back(_messages(1), delay_level=-1)
+    replay(engine, Selection(everything=True))
+    clock.advance(1)
+    engine.tick()
+    (copy,) = engine.poll_retry("c", 10)
+    engine.send_back([copy], delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    engine.ack(engine.poll_retry("c", 10))
+    result = replay(engine, Selection(everything=True, include_replayed=True))
+    assert (result.selected, result.sent) == (1, 1)
+    assert len(_live(engine, "M0")) == 1
+    clock.advance(1)
+    engine.tick()
+    (again,) = engine.poll_retry("c", 10)
+    assert again.origin_msg_id == "M0"
+    assert again.msg_id != copy.msg_id
 
 
 @pytest.mark.parametrize(

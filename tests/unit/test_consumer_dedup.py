@@ -29,6 +29,7 @@ from idem.retry.consumer import (
     ProcessQueue,
 )
 from idem.retry.consumer.group_claim import slice_claim
+from idem.retry.store import REPLACED_KEPT_MS
 
 pytestmark = pytest.mark.unit
 
@@ -70,10 +71,12 @@ def test_a_retried_copy_wins_over_an_older_copy_so_the_chain_goes_on(
     engine = RetryEngine(config, client=fakeredis.FakeRedis(server=server), clock=clock)
     dedup = Dedup(config, client=fakeredis.FakeRedis(server=server), clock=clock)
     fresh = MessageExt(topic="orders", msg_id="M0", keys="ORDER-1", body=b"{}")
-    # M0 fails twice (retry copies at reconsume 1, then 2); M0 is then redelivered and
-    # fails again: copies at reconsume 1 and 2 of the same key are live together.
+    # M0 fails twice (retry copies at reconsume 1, then 2); M0 is then redelivered, after
+    # the resend path forgot the first copy's replacement, and fails again: copies at
+    # reconsume 1 and 2 of the same key are live together.
     engine.send_back([fresh])
     engine.send_back(_deliver(engine, clock))
+    clock.advance(REPLACED_KEPT_MS / 1000 + 1)
     engine.send_back([fresh])
     copies = sorted(_deliver(engine, clock), key=lambda m: m.reconsume_times)
     assert [m.reconsume_times for m in copies] == [1, 2]

@@ -59,8 +59,8 @@ def test_plan_does_not_schedule_what_a_later_event_removes() -> None:
         (pos(3), JournalEvent(S, "B", "o2", queue_id="2", due_ms=5, wire="{}")),
         (pos(4), JournalEvent(S, "C", "o2", queue_id="3", due_ms=7, wire="{}", replaces="B")),
     ]
-    kinds = [[(op.kind, op.msg_id) for op in step] for step in plan(events)]
-    assert kinds == [[], [("R", "A")], [("S", "A")], [], [("R", "B"), ("S", "C")]]
+    kinds = [[(op.kind, op.msg_id, op.replaces) for op in step] for step in plan(events)]
+    assert kinds == [[], [("R", "A", "")], [("S", "A", "")], [], [("S", "C", "B")]]
     assert sorted(live_messages(e for _p, e in events)) == ["A", "C"]
 
 
