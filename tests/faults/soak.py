@@ -76,6 +76,11 @@ SOCKET_TIMEOUT_S = 1.0
 """The consumers' socket time-out to the store (a silenced connection costs this long)."""
 RATE = 60.0
 """Messages produced per second, on average."""
+MAX_FAULTS = 40
+"""About how many faults a seed injects at most: a longer run spaces them further apart
+rather than adding more. Each FLUSHALL makes the consumers rebuild the Redis index from
+the ledger, whose size grows with the run, so a fault every second or two for a whole
+long run would measure little but rebuilds."""
 
 
 class Kind(StrEnum):
@@ -137,8 +142,20 @@ def plan(seed: int, messages: int, consumers: int) -> Plan:
         bursts.append((at, n))
         left -= n
         at += rng.uniform(0.1, 0.9) * n / RATE * 2
-    faults = draw_faults(rng, CONSUMER_KINDS, duration=duration, targets=consumers)
+    low, high = DEFAULT_GAP_S
+    spread = max(1.0, duration / (MAX_FAULTS * (low + high) / 2))
+    faults = draw_faults(
+        rng,
+        CONSUMER_KINDS,
+        duration=duration,
+        targets=consumers,
+        gap=(low * spread, high * spread),
+    )
     return Plan(seed, keys, fail_first, bursts, faults)
+
+
+DEFAULT_GAP_S = (0.8, 2.2)
+"""Seconds between two faults of a short run (uniform)."""
 
 
 def draw_faults(
@@ -148,7 +165,7 @@ def draw_faults(
     duration: float,
     targets: int = 1,
     first: tuple[float, float] = (0.5, 1.5),
-    gap: tuple[float, float] = (0.8, 2.2),
+    gap: tuple[float, float] = DEFAULT_GAP_S,
     pause: tuple[float, float] = (0.2, 1.2),
 ) -> list[Planned]:
     """Every kind once (in a seeded order), then any kind, ``gap`` seconds apart, until
