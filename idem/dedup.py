@@ -232,11 +232,14 @@ class Dedup:
         nothing.
         """
         batch_id = _txn_version(batch_id)
-        indices = list(claim.fresh if succeeded is None else succeeded)
-        fresh = set(claim.fresh)
-        stray = [i for i in indices if i not in fresh]
-        if stray:
-            raise ValueError(f"succeeded: rows {stray[:5]} were not claimed as fresh")
+        if succeeded is None:
+            indices = list(claim.fresh)
+        else:
+            indices = list(succeeded)
+            fresh = set(claim.fresh)
+            stray = [i for i in indices if i not in fresh]
+            if stray:
+                raise ValueError(f"succeeded: rows {stray[:5]} were not claimed as fresh")
         if not indices:
             return CommitOutcome(version=None, committed=0)
         keys = [claim.keys[i] or "" for i in indices]
