@@ -10,11 +10,13 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from idem.claiming import CLAIM_WAVE_ROWS
 from idem.config import IdemConfig
@@ -46,12 +48,22 @@ def _process(dd: Dedup, keys: list[str], owner: str, batch_id: int) -> list[str]
 
 # -- (a) two processes, same 10k keys, concurrently ---------------------------------------
 
+START_BARRIER = "test:workers-started"
+"""Counts the workers ready to claim (the test's FLUSHALL resets it)."""
+
 
 def _worker(url: str, data_dir: str, name: str, seed: int, out: str) -> None:
     config = IdemConfig(group="orders", redis_url=url, data_dir=data_dir, buckets=8)
     dd = Dedup(config)
     keys = [f"ORDERID_{i}" for i in range(10_000)]
     random.Random(seed).shuffle(keys)
+    # both start claiming together, however long each took to start (a loaded machine)
+    starting = redis.Redis.from_url(url)
+    starting.incr(START_BARRIER)
+    deadline = time.monotonic() + 120
+    while int(starting.get(START_BARRIER) or 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    starting.close()
     todo = keys
     processed: list[str] = []
     batch_id = 0
