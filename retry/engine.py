@@ -37,13 +37,7 @@ from idem.redis_cluster import RedisClient
 from idem.retry.crash_points import SendBackStage, StageObserver
 from idem.retry.dlq import DeadLetterStatus, DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
-from idem.retry.journal import (
-    SMALL_FILES_TO_COMPACT,
-    JournalBase,
-    JournalEvent,
-    JournalEventType,
-    RetryJournal,
-)
+from idem.retry.journal import JournalBase, JournalEvent, JournalEventType, RetryJournal
 from idem.retry.message import MessageConst, MessageExt
 from idem.retry.policy import RetryPolicy
 from idem.retry.schedule import (
@@ -67,8 +61,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPACT_INTERVAL_MS = 6 * 3_600_000
 """How often a running schedule service compacts its group's retry journal (one of them)."""
-FILE_COMPACTION_INTERVAL_MS = 30_000
-"""At most how often one process of a group compacts the journal's files."""
 
 
 class SendBackStatus(StrEnum):
@@ -584,29 +576,6 @@ class RetryEngine:
         )
         return self.compact_journal() if due else None
 
-    def maybe_compact_journal_files(self) -> int:
-        """Rewrite the journal's small files into few once :data:`SMALL_FILES_TO_COMPACT`
-        gathered, unless a process of the group did within
-        :data:`FILE_COMPACTION_INTERVAL_MS`; returns the files replaced.
-
-        Each send-back and acknowledgement commits a file of a few rows, and a commit
-        costs time in proportion to the files the table holds: without this, a busy
-        group's send-backs slow down as it runs. The events, their versions and the
-        change data feed are unchanged (Delta ``OPTIMIZE``).
-        """
-        if self.journal.small_files() < SMALL_FILES_TO_COMPACT:
-            return 0
-        due = self._redis(
-            lambda: self.store.client.set(
-                self.store.keys.files_compacted,
-                self.clock.now_ms(),
-                nx=True,
-                px=FILE_COMPACTION_INTERVAL_MS,
-            ),
-            what="claim the journal's file compaction",
-        )
-        return self.journal.compact_files() if due else 0
-
     def compact_journal(self) -> JournalBase | None:
         """Snapshot the live messages into the journal, so a rebuild starts there
         (``idem retry compact``); ``None`` when there is no journal yet."""
@@ -699,15 +668,9 @@ class RetryEngine:
         """A :class:`ScheduleService` for this group (``start()`` it, or ``run()`` it).
 
         Running, it also compacts the group's retry journal every
-        ``compact_interval_ms`` (one service of the group does; ``None``: never), and
-        its files whenever enough small ones gathered (:meth:`maybe_compact_journal_files`).
+        ``compact_interval_ms`` (one service of the group does; ``None``: never).
         """
         interval = compact_interval_ms
-
-        def maintain(every_ms: int) -> None:
-            self.maybe_compact_journal_files()
-            self.maybe_compact_journal(every_ms)
-
         return ScheduleService(
             self.store,
             clock=self.clock,
@@ -715,7 +678,7 @@ class RetryEngine:
             batch_size=batch_size,
             max_idle_ms=max_idle_ms,
             sync_interval_ms=sync_interval_ms,
-            maintenance=None if interval is None else lambda: maintain(interval),
+            maintenance=None if interval is None else lambda: self.maybe_compact_journal(interval),
             name=name,
         )
 

@@ -47,7 +47,6 @@ from idem.retry.journal_events import (
     live_messages,
     plan,
 )
-from idem.retry.journal_group import CommitGroups
 from idem.retry.store import APPLY_CHUNK, ApplyResult, Op, ScheduleStore
 
 __all__ = [
@@ -63,12 +62,6 @@ __all__ = [
     "plan",
 ]
 
-
-SMALL_FILE_BYTES = 8 * 1024 * 1024
-"""A journal file smaller than this is compacted (:meth:`RetryJournal.compact_files`) into
-files of about this size; larger ones are left as they are."""
-SMALL_FILES_TO_COMPACT = 64
-"""Small files that make a compaction of the journal's files worth its rewrite."""
 
 TXN_OF = "idem.journal.txn"
 """Commit-info key of a batch's commits: ``<app_id>@<txn_version>``."""
@@ -94,7 +87,6 @@ class RetryJournal:
         self._name = f"retry journal of {group}"
         self._table: DeltaTable | None = None
         self._lock = threading.RLock()
-        self._groups: CommitGroups[JournalEvent, Appended] = CommitGroups(self._lock)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -132,18 +124,10 @@ class RetryJournal:
         rows as the first attempt did (a transient sink error), and a row that fails
         only in the replay must still be journaled; the rows both attempts sent back
         are not appended again (their messages may be consumed and acked by now).
-
-        Without a txn or ``metadata`` (a consumer's send-backs and acknowledgements),
-        calls made while another commit is being written share the next commit
-        (:class:`~idem.retry.journal_group.CommitGroups`): the events returned are that
-        whole commit's, in its order, the caller's among them.
         """
         if not events and metadata is None:
             return Appended(None, ())
         once = app_id is not None and txn_version is not None
-        if not once and metadata is None:
-            # a consumer's send-backs and acknowledgements: concurrent ones share a commit
-            return self._groups.append(events, self._commit_group)
         tag = f"{app_id}@{txn_version}"
 
         def write() -> Appended:
@@ -171,19 +155,6 @@ class RetryJournal:
                 # writing through the table object leaves it at exactly our commit's version
                 write_deltalake(table, data, mode="append", commit_properties=props)
                 return Appended(table.version(), tuple(written))
-
-        return self.faults.delta(
-            write, what=f"retry journal append to {self.path}", wrap=JournalError
-        )
-
-    def _commit_group(self, events: list[JournalEvent]) -> Appended:
-        """Write a group's events (:class:`CommitGroups`) as one commit."""
-
-        def write() -> Appended:
-            with self._lock:
-                table = self._load() or self._create()
-                write_deltalake(table, self._rows(events, None, None), mode="append")
-                return Appended(table.version(), tuple(events))
 
         return self.faults.delta(
             write, what=f"retry journal append to {self.path}", wrap=JournalError
@@ -463,39 +434,6 @@ class RetryJournal:
 
         return self.faults.delta(
             read, what=f"retry journal base read of {self.path}", wrap=JournalError
-        )
-
-    def small_files(self) -> int:
-        """How many of the table's files are below :data:`SMALL_FILE_BYTES`."""
-
-        def count() -> int:
-            with self._lock:
-                table = self._load()
-                if table is None:
-                    return 0
-                sizes = table.get_add_actions(flatten=True).column("size_bytes")
-                return sum(1 for size in sizes.to_pylist() if size < SMALL_FILE_BYTES)
-
-        return self.faults.delta(
-            count, what=f"retry journal files of {self.path}", wrap=JournalError
-        )
-
-    def compact_files(self) -> int:
-        """Rewrite the small files into files of about :data:`SMALL_FILE_BYTES` (Delta
-        ``OPTIMIZE``); returns the files replaced.
-
-        The rows, the versions their events were committed at, time travel and the change
-        data feed are unchanged: the compaction's commit changes no data. Appends of this
-        and other processes go on meanwhile.
-        """
-
-        def run() -> int:
-            table = DeltaTable(self.path, storage_options=self.storage_options)
-            metrics = table.optimize.compact(target_size=SMALL_FILE_BYTES)
-            return int(metrics["numFilesRemoved"])
-
-        return self.faults.delta(
-            run, what=f"retry journal file compaction of {self.path}", wrap=JournalError
         )
 
     def compact(self, *, now_ms: int, until: int | None = None) -> JournalBase | None:
