@@ -63,6 +63,12 @@ __all__ = [
 ]
 
 
+SMALL_FILE_BYTES = 8 * 1024 * 1024
+"""A journal file smaller than this is compacted (:meth:`RetryJournal.compact_files`) into
+files of about this size; larger ones are left as they are."""
+SMALL_FILES_TO_COMPACT = 64
+"""Small files that make a compaction of the journal's files worth its rewrite."""
+
 TXN_OF = "idem.journal.txn"
 """Commit-info key of a batch's commits: ``<app_id>@<txn_version>``."""
 TXN_ROLE = "idem.journal.txn_role"
@@ -321,8 +327,9 @@ class RetryJournal:
 
         Safe with several callers at once: each slice is applied by whoever moves the
         cursor first; the others see the cursor moved and read on from there. ``own``
-        is ``(version, events)`` of the commit the caller just made: when the cursor
-        stands right before it, its events are applied without reading them back.
+        is ``(version, events)`` of the commit the caller just made, every event it holds
+        (:meth:`Appended.as_own`): when the cursor stands right before it, those events
+        are applied without reading the commit back.
         ``followed``: the caller has just checked that Redis follows this journal
         (:meth:`follow`), so that round trip is not made again.
         """
@@ -436,6 +443,39 @@ class RetryJournal:
             read, what=f"retry journal base read of {self.path}", wrap=JournalError
         )
 
+    def small_files(self) -> int:
+        """How many of the table's files are below :data:`SMALL_FILE_BYTES`."""
+
+        def count() -> int:
+            with self._lock:
+                table = self._load()
+                if table is None:
+                    return 0
+                sizes = table.get_add_actions(flatten=True).column("size_bytes")
+                return sum(1 for size in sizes.to_pylist() if size < SMALL_FILE_BYTES)
+
+        return self.faults.delta(
+            count, what=f"retry journal files of {self.path}", wrap=JournalError
+        )
+
+    def compact_files(self) -> int:
+        """Rewrite the small files into files of about :data:`SMALL_FILE_BYTES` (Delta
+        ``OPTIMIZE``); returns the files replaced.
+
+        The rows, the versions their events were committed at, time travel and the change
+        data feed are unchanged: the compaction's commit changes no data. Appends of this
+        and other processes go on meanwhile.
+        """
+
+        def run() -> int:
+            table = DeltaTable(self.path, storage_options=self.storage_options)
+            metrics = table.optimize.compact(target_size=SMALL_FILE_BYTES)
+            return int(metrics["numFilesRemoved"])
+
+        return self.faults.delta(
+            run, what=f"retry journal file compaction of {self.path}", wrap=JournalError
+        )
+
     def compact(self, *, now_ms: int, until: int | None = None) -> JournalBase | None:
         """Append a base: every message live as of version ``until`` (default: the newest).
 
@@ -491,6 +531,13 @@ class Appended(NamedTuple):
 
     version: int | None
     events: tuple[JournalEvent, ...]
+
+    def as_own(self) -> tuple[int, tuple[JournalEvent, ...]]:
+        """``(version, events)`` as :meth:`RetryJournal.sync` takes its ``own``: the events
+        are the whole commit's, so a sync that applies them without reading the commit
+        back skips none of it."""
+        assert self.version is not None, "nothing was committed"
+        return self.version, self.events
 
 
 def _pairs(reader: Any) -> set[tuple[str, str]]:

@@ -126,6 +126,11 @@ class RetryKeys:
         return f"{self.prefix}:journal:compacted"
 
     @property
+    def files_compacted(self) -> str:
+        """Marker that the journal's files were compacted recently (expires after the interval)."""
+        return f"{self.prefix}:journal:files-compacted"
+
+    @property
     def wake_channel(self) -> str:
         """Pub/sub channel telling schedule services that an earlier message arrived."""
         return f"{self.prefix}:schedule:wake"
@@ -405,5 +410,6 @@ class ScheduleStore:
         queues = {_text(q) for q in heads} | {TIMER_QUEUE}
         queues |= {_text(f).removesuffix(":moved") for f in progress if _text(f).endswith(":moved")}
         names = {*self.keys.fixed, self.keys.journal, self.keys.compacted}
+        names.add(self.keys.files_compacted)
         names |= {self.keys.queue(q) for q in queues}
         return int(self.client.delete(*sorted(names)))

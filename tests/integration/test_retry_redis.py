@@ -35,6 +35,7 @@ from idem.retry import (
     stop_after_elapsed,
 )
 from idem.retry.errors import JournalError
+from idem.retry.journal import SMALL_FILES_TO_COMPACT
 from idem.spark.dlq import Selection, replay
 
 pytestmark = pytest.mark.integration
@@ -296,6 +297,38 @@ def test_a_dead_letter_replayed_twice_is_placed_twice(
     (again,) = engine.poll_retry("c", 10)
     assert again.origin_msg_id == "M0"
     assert again.msg_id != copy.msg_id
+
+
+def test_compacting_the_journals_files_keeps_its_events_and_what_a_rebuild_finds(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # a consumer's send-backs and acknowledgements, one message per call: a file each
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_files"), clock=clock)
+    messages = _messages(SMALL_FILES_TO_COMPACT + 20)
+    for message in messages:
+        engine.send_back([message], delay_level=1)
+    clock.advance(1)
+    engine.tick()
+    for delivered in engine.poll_retry("c", 30):
+        engine.ack([delivered])  # 30 done, the rest still retrying
+    before = engine.journal.events()
+    live = sorted(engine.journal.live())
+    assert engine.journal.small_files() >= SMALL_FILES_TO_COMPACT
+    replaced = engine.maybe_compact_journal_files()
+    assert replaced >= SMALL_FILES_TO_COMPACT
+    assert engine.journal.small_files() <= 2
+    assert engine.maybe_compact_journal_files() == 0  # nothing left worth it
+    assert engine.journal.events() == before
+    assert sorted(engine.journal.live()) == live
+    real_redis.flushall()  # Redis rebuilt from the compacted journal: the same messages
+    engine.sync()
+    assert sorted(e.msg_id for e in engine.store.live_entries()) == live
+    clock.advance(1)
+    engine.tick()
+    rest = engine.poll_retry("c", 1000)
+    assert len(rest) == len(messages) - 30
+    engine.ack(rest)
+    _assert_invariant(engine, {m.msg_id for m in messages}, {m.msg_id for m in messages})
 
 
 @pytest.mark.parametrize(
