@@ -34,6 +34,7 @@ from idem.config import IdemConfig
 from idem.errors import LedgerError, StoreUnavailable
 from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
+from idem.retry.combiner import CallCombiner
 from idem.retry.crash_points import SendBackStage, StageObserver
 from idem.retry.dlq import DeadLetterStatus, DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
@@ -198,6 +199,7 @@ class RetryEngine:
             max_message_bytes=config.max_message_bytes,
             clock=clock,
         )
+        self._combined: CallCombiner[SendBackDecision, SendBackOutcome] = CallCombiner()
         # the engine's own tick() checks the cursor every time (one GET), see _maybe_sync
         self._service = ScheduleService(
             self.store, clock=clock, sync=self._maybe_sync, sync_interval_ms=0
@@ -283,6 +285,10 @@ class RetryEngine:
         over ``config.max_message_bytes`` is dead-lettered, never scheduled.
         ``app_id``/``txn_version`` journal a batch once: a replay of it adds only the
         messages the first attempt did not send back (see ``RetryJournal.append_batch``).
+        Without them, concurrent calls (a consumer's consume threads) are combined: the
+        messages of calls made while another is under way share the next journal commit
+        and Redis apply (:class:`~idem.retry.combiner.CallCombiner`), each call still
+        getting its own messages' outcomes.
         """
         errors = errors or {}
         decisions = [
@@ -324,6 +330,20 @@ class RetryEngine:
         app_id: str | None,
         txn_version: int | None,
     ) -> SendBackResult:
+        if app_id is None and txn_version is None:
+            # a consumer's send-backs: concurrent ones share one journal commit and apply
+            outcomes = self._combined.call(decisions, lambda group: self._place(group).outcomes)
+            return SendBackResult(tuple(outcomes))
+        return self._place(decisions, app_id=app_id, txn_version=txn_version)
+
+    def _place(
+        self,
+        decisions: Sequence[SendBackDecision],
+        *,
+        app_id: str | None = None,
+        txn_version: int | None = None,
+    ) -> SendBackResult:
+        """Dead-letter, journal and schedule ``decisions`` in one commit and one apply."""
         now = self.clock.now_ms()
         messages = [d.original for d in decisions]
         dead = [d for d in decisions if isinstance(d, DeadLettered)]

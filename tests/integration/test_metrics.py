@@ -118,8 +118,12 @@ def test_idem_schedule_serves_moves_lateness_state_and_probes(
         timeout=30,
         what="5 moves",
     )
-    # two queues had due heads: each move of a head is one lateness observation
-    assert value(moved, "idem_schedule_lateness_seconds_count", group=group) == 2
+    # each move of a queue's head is one lateness observation: at least one per queue
+    # (two), at most one per message (messages sent back by one call are due within a
+    # few milliseconds of each other, and a move takes only what is due)
+    observed = value(moved, "idem_schedule_lateness_seconds_count", group=group)
+    assert observed is not None
+    assert 2 <= observed <= 5
     late = value(moved, "idem_schedule_lateness_seconds_sum", group=group)
     assert late is not None
     assert 0 <= late < 10

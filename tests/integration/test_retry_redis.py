@@ -299,6 +299,43 @@ def test_a_dead_letter_replayed_twice_is_placed_twice(
     assert again.msg_id != copy.msg_id
 
 
+def test_concurrent_send_backs_of_one_process_share_journal_commits(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    # eight consume threads each sending 25 failed messages back one at a time
+    engine = RetryEngine(_config(tmp_path, redis_server, "CID_combined"), clock=clock)
+    messages = _messages(200)
+    errors: list[BaseException] = []
+    outcomes: dict[str, SendBackStatus] = {}
+
+    def consume_thread(mine: list[MessageExt]) -> None:
+        try:
+            for message in mine:
+                (outcome,) = engine.send_back([message], delay_level=1).outcomes
+                outcomes[outcome.msg_id] = outcome.status
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=consume_thread, args=(messages[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    # every call got its own message's outcome back
+    assert outcomes == {m.msg_id: SendBackStatus.SCHEDULED for m in messages}
+    commits = engine.journal.latest_version()
+    assert commits is not None
+    assert commits < 200, f"{commits + 1} commits for 200 send-backs"
+    clock.advance(1)
+    engine.tick()
+    delivered = engine.poll_retry("c", 1000)
+    assert sorted(m.origin_msg_id for m in delivered) == sorted(m.msg_id for m in messages)
+    engine.ack(delivered)
+    _assert_invariant(engine, {m.msg_id for m in messages}, {m.msg_id for m in messages})
+    print(f"200 send-backs from 8 threads in {commits + 1} journal commits")
+
+
 def test_compacting_the_journals_files_keeps_its_events_and_what_a_rebuild_finds(
     tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
 ) -> None:
