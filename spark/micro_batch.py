@@ -670,8 +670,8 @@ class MicroBatch:
             )
 
     def _commit_on_driver(self, claimed: ClaimedBatch, rows: DataFrame, offered: int) -> _Commit:
-        """The commit through :meth:`idem.dedup.Dedup.complete`, with the ledger columns
-        gathered on the driver: the delta-rs engine's path.
+        """The commit through :meth:`idem.dedup.Dedup.complete_rows`, with the ledger
+        columns gathered on the driver as Arrow: the delta-rs engine's path.
 
         A Delta sink's own columns stay off the driver on delta-rs: the executors
         stage the rows as files the commit streams (:mod:`idem.spark.staging`).
