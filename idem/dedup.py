@@ -11,26 +11,28 @@ never a duplicate.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime
 from numbers import Integral
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 
-from idem.arrow_text import repeat_text
+from idem.bucket_slices import bucket_slices
 from idem.claiming import PendingClaim
 from idem.clock import SYSTEM_CLOCK, Clock
+from idem.commit_rows import claimed_rows, ledger_rows, with_payload
 from idem.config import DedupMode, IdemConfig
 from idem.errors import StoreUnavailable
 from idem.hotstore import CompleteResult, HotStore, RedisHotStore
 from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats, OwnCommits
-from idem.keys import bucket_of, group_by_bucket
+from idem.keys import group_by_bucket
 from idem.ledger import Ledger, open_ledger
 from idem.ledger.staged import StagedRows
-from idem.outcome import BatchClaim, CommitOutcome
+from idem.outcome import BatchClaim, ClaimedRows, CommitOutcome
 from idem.redis_cluster import RedisClient
 
 log = logging.getLogger(__name__)
@@ -56,25 +58,21 @@ def _txn_version(batch_id: object) -> int:
     return int(batch_id)
 
 
-def _with_payload(
-    rows: pa.Table,
-    payload: pa.Table | StagedRows | None,
-    *,
-    results: Mapping[int, str] | None,
-    now_ms: int,
-) -> pa.Table | StagedRows:
-    """The ledger ``rows`` with the user's columns: appended, or the staged rows they describe."""
-    if payload is None:
-        return rows
-    if payload.num_rows != rows.num_rows:
-        raise ValueError(f"payload: {payload.num_rows} rows for {rows.num_rows} succeeded rows")
-    if isinstance(payload, StagedRows):
-        if results:
-            raise ValueError("results: staged rows carry their own result column")
-        return payload.with_ledger_columns(rows, completed_at_ms=now_ms)
-    for name in payload.column_names:
-        rows = rows.append_column(payload.schema.field(name), payload.column(name))
-    return rows
+def _succeeded_rows(claim: BatchClaim, succeeded: Iterable[int] | None) -> list[int]:
+    """The rows of ``claim`` that succeeded (default: every fresh row), each claimed fresh."""
+    if succeeded is None:
+        return list(claim.fresh)
+    indices = list(succeeded)
+    fresh = set(claim.fresh)
+    stray = [i for i in indices if i not in fresh]
+    if stray:
+        raise ValueError(f"succeeded: rows {stray[:5]} were not claimed as fresh")
+    return indices
+
+
+def _index_columns(columns: pa.Table) -> pa.Table:
+    """What the Redis index update reads of the committed rows."""
+    return columns.select(["key", "bucket", "fingerprint"])
 
 
 class Dedup:
@@ -232,84 +230,87 @@ class Dedup:
         nothing.
         """
         batch_id = _txn_version(batch_id)
-        if succeeded is None:
-            indices = list(claim.fresh)
-        else:
-            indices = list(succeeded)
-            fresh = set(claim.fresh)
-            stray = [i for i in indices if i not in fresh]
-            if stray:
-                raise ValueError(f"succeeded: rows {stray[:5]} were not claimed as fresh")
+        indices = _succeeded_rows(claim, succeeded)
         if not indices:
             return CommitOutcome(version=None, committed=0)
-        keys = [claim.keys[i] or "" for i in indices]
-        if claim.buckets:
-            known = claim.buckets
-            buckets = [known[i] for i in indices]
-        else:
-            buckets = [bucket_of(key, self.config.buckets) for key in keys]
-        # completed_at starts the key's window: stamped by the clock the window runs on.
-        now = self.hot.now_ms()
-        rows = self._ledger_rows(
+        rows = claimed_rows(
             claim,
-            indices=indices,
+            indices,
             every_row=succeeded is None and len(indices) == len(claim.keys),
-            keys=keys,
-            buckets=buckets,
-            batch_id=batch_id,
-            now_ms=now,
+            bucket_count=self.config.buckets,
             meta=meta,
             results=results,
         )
-        commit_rows = _with_payload(rows, payload, results=results, now_ms=now)
+        return self._commit(
+            rows, batch_id=batch_id, app_id=app_id, payload=payload, defer_index=defer_index
+        )
+
+    def complete_rows(
+        self,
+        rows: ClaimedRows,
+        *,
+        batch_id: int,
+        app_id: str | None = None,
+        payload: pa.Table | StagedRows | None = None,
+        defer_index: bool = False,
+    ) -> CommitOutcome:
+        """:meth:`complete` of rows claimed elsewhere, every one succeeded, given as Arrow
+        columns (Spark's driver, whose executors claimed them).
+
+        The ledger rows are made from the columns, the slipped keys are found with
+        Arrow, and Redis learns the keys a call's worth at a time: no Python object
+        is made per row of the batch (but for a replayed batch, whose keys are
+        looked up in the ledger). ``payload`` (aligned with ``rows``) is as in
+        :meth:`complete`.
+        """
+        batch_id = _txn_version(batch_id)
+        if not rows.num_rows:
+            return CommitOutcome(version=None, committed=0)
+        return self._commit(
+            rows, batch_id=batch_id, app_id=app_id, payload=payload, defer_index=defer_index
+        )
+
+    def _commit(
+        self,
+        rows: ClaimedRows,
+        *,
+        batch_id: int,
+        app_id: str | None,
+        payload: pa.Table | StagedRows | None,
+        defer_index: bool,
+    ) -> CommitOutcome:
+        """The ledger commit of ``rows``, then their Redis index update."""
+        # completed_at starts the key's window: stamped by the clock the window runs on.
+        now = self.hot.now_ms()
+        ledger = ledger_rows(rows, group=self.config.group, batch_id=batch_id, now_ms=now)
+        results = "result" in rows.columns.column_names
+        commit_rows = with_payload(ledger, payload, results=results, now_ms=now)
         strict = self.config.mode is DedupMode.STRICT
         # When the commit cannot check the versions since the claim one by one, it MERGEs
         # on the rows completed within a horizon before the claim. A lease kept every
         # other writer off the key since the claim, so twice the lease covers a copy
         # stamped before the claim that landed after it (and every copy stamped since);
         # a claim without leases covers nothing, so it matches the whole dedup window.
-        leased = claim.held and not strict
+        leased = rows.held and not strict
         window = 2 * self.config.lease_ms if leased else self.config.dedup_window_ms
-        claimed_at = now if claim.claimed_at_ms is None else min(now, claim.claimed_at_ms)
-        app = app_id or f"idem:{self.config.group}:{claim.owner}"
+        claimed_at = now if rows.claimed_at_ms is None else min(now, rows.claimed_at_ms)
+        app = app_id or f"idem:{self.config.group}:{rows.owner}"
         result = self.ledger.commit(
             commit_rows,
             app_id=app,
             txn_version=batch_id,
             match_since_ms=claimed_at - window,
-            match_after_version=None if strict else claim.ledger_version,
+            match_after_version=None if strict else rows.ledger_version,
         )
         if result.replayed:
             return self._complete_replayed(
-                claim,
-                indices,
-                keys,
-                now=now,
-                batch_id=batch_id,
-                app_id=app,
-                meta=meta,
-                payload=payload,
-                results=results,
+                rows, now=now, batch_id=batch_id, app_id=app, payload=payload
             )
         version = result.version if result.version is not None else -2
+        index = _index_columns(rows.columns)
         if result.already_present:
-            indices, keys, buckets = self._drop_slipped(
-                claim, result.already_present, indices, keys, buckets
-            )
-        fenced: list[str] = []
-        if defer_index:
-            # No OwnCommits entry: every catch-up of this object settles this update first.
-            self.settle()
-            self._indexing = self._indexer().submit(
-                self._index_completed, claim, indices, keys, buckets, version=version,
-                completed_at_ms=now,
-            )  # fmt: skip
-        else:
-            with self._own.indexing(version):
-                done = self._index_completed(
-                    claim, indices, keys, buckets, version=version, completed_at_ms=now
-                )
-            fenced = done.fenced
+            index = self._drop_slipped(rows, result.already_present, index)
+        fenced = self._index(rows.owner, index, version=version, now=now, defer=defer_index)
         if result.already_present:
             log.warning(
                 "%d key(s) were already in the ledger when committed (slipped duplicates), e.g. %r",
@@ -324,43 +325,48 @@ class Dedup:
             replayed=result.replayed,
         )
 
-    def _drop_slipped(
-        self,
-        claim: BatchClaim,
-        slipped: Sequence[str],
-        indices: Sequence[int],
-        keys: Sequence[str],
-        buckets: Sequence[int],
-    ) -> tuple[list[int], list[str], list[int]]:
-        """The committed rows without the ``slipped`` keys, whose leases go back.
+    def _drop_slipped(self, rows: ClaimedRows, slipped: Sequence[str], index: pa.Table) -> pa.Table:
+        """The committed rows' ``index`` columns without the ``slipped`` keys, whose leases
+        go back.
 
         Another writer's row holds a slipped key, with its own fingerprint, and the
         index gets the key from that row's version: marking it here would overwrite
         that fingerprint with this copy's.
         """
         gone = set(slipped)
-        kept = [n for n, key in enumerate(keys) if key not in gone]
-        if claim.held:
-            self.hot.release(group_by_bucket(gone, self.config.buckets), claim.owner)
-        return [indices[n] for n in kept], [keys[n] for n in kept], [buckets[n] for n in kept]
+        if rows.held:
+            self.hot.release(group_by_bucket(gone, self.config.buckets), rows.owner)
+        dropped = pc.is_in(index.column("key"), value_set=pa.array(sorted(gone), pa.string()))
+        return index.filter(pc.invert(dropped))
+
+    def _index(
+        self, owner: str, index: pa.Table, *, version: int, now: int, defer: bool
+    ) -> list[str]:
+        """Mark the ``index`` rows' keys COMPLETED at ``version``: now (returning the fenced
+        keys), or in the background (``defer``: they are logged by :meth:`settle`)."""
+        if defer:
+            # No OwnCommits entry: every catch-up of this object settles this update first.
+            self.settle()
+            self._indexing = self._indexer().submit(
+                self._index_completed, owner, index, version=version, completed_at_ms=now
+            )
+            return []
+        with self._own.indexing(version):
+            done = self._index_completed(owner, index, version=version, completed_at_ms=now)
+        return done.fenced
 
     def _index_completed(
-        self,
-        claim: BatchClaim,
-        indices: Sequence[int],
-        keys: Sequence[str],
-        buckets: Sequence[int],
-        *,
-        version: int,
-        completed_at_ms: int,
+        self, owner: str, index: pa.Table, *, version: int, completed_at_ms: int
     ) -> CompleteResult:
-        """Tell Redis that the committed rows' keys are COMPLETED at ledger ``version``."""
-        prints = {key: claim.fingerprints[i] for key, i in zip(keys, indices, strict=True)}
-        grouped: dict[int, list[str]] = {}
-        for key, bucket in zip(keys, buckets, strict=True):
-            grouped.setdefault(bucket, []).append(key)
-        return self.hot.complete(
-            grouped, claim.owner, prints, version=version, completed_at_ms=completed_at_ms
+        """Tell Redis that the ``index`` rows' keys are COMPLETED at ledger ``version``."""
+        parts = bucket_slices(
+            index.column("key"),
+            index.column("bucket"),
+            index.column("fingerprint"),
+            bucket_count=self.config.buckets,
+        )
+        return self.hot.complete_buckets(
+            parts, owner, version=version, completed_at_ms=completed_at_ms
         )
 
     def settle(self) -> CompleteResult | None:
@@ -399,16 +405,12 @@ class Dedup:
 
     def _complete_replayed(
         self,
-        claim: BatchClaim,
-        indices: Sequence[int],
-        keys: Sequence[str],
+        rows: ClaimedRows,
         *,
         now: int,
         batch_id: int,
         app_id: str,
-        meta: pa.Table | None,
         payload: pa.Table | StagedRows | None,
-        results: Mapping[int, str] | None,
     ) -> CommitOutcome:
         """The batch's txn was committed before (a replay): complete only what the ledger holds.
 
@@ -416,38 +418,37 @@ class Dedup:
         the earlier commit, so they are committed now under a txn of their own.
         Marking them COMPLETED in Redis without a ledger row would lose them.
         """
-        present = self.ledger.existing(keys, since_ms=now - self.config.dedup_window_ms)
-        held = [(i, k) for i, k in zip(indices, keys, strict=True) if k in present]
-        missing = [i for i, k in zip(indices, keys, strict=True) if k not in present]
+        keys = rows.columns.column("key")
+        since = now - self.config.dedup_window_ms
+        present = self.ledger.existing(keys.to_pylist(), since_ms=since)
+        held = pc.is_in(keys, value_set=pa.array(list(present), pa.string()))
         fenced: list[str] = []
-        if held:
-            held_rows, held_keys = [i for i, _ in held], [k for _, k in held]
-            buckets = [bucket_of(k, self.config.buckets) for k in held_keys]
+        if present:
             # -2 never moves a watermark: the keys were indexed with their own version.
+            index = _index_columns(rows.columns).filter(held)
             fenced = self._index_completed(
-                claim, held_rows, held_keys, buckets, version=-2, completed_at_ms=now
+                rows.owner, index, version=-2, completed_at_ms=now
             ).fenced
-        if not missing:
+        missing = pc.invert(held)
+        late_rows = dataclasses.replace(rows, columns=rows.columns.filter(missing))
+        if not late_rows.num_rows:
             return CommitOutcome(version=None, committed=0, fenced=tuple(fenced), replayed=True)
         log.warning(
             "batch %d was committed before without %d key(s) that succeeded now; committing them",
             batch_id,
-            len(missing),
+            late_rows.num_rows,
         )
-        rows: pa.Table | StagedRows | None = None
+        late_payload: pa.Table | StagedRows | None = None
         if isinstance(payload, StagedRows):
-            rows = payload.only([k for k in keys if k not in present])
+            late_payload = payload.only(late_rows.columns.column("key").to_pylist())
         elif payload is not None:
-            position = {i: n for n, i in enumerate(indices)}
-            rows = payload.take(pa.array([position[i] for i in missing], pa.int64()))
-        late = self.complete(
-            claim,
-            succeeded=missing,
+            late_payload = payload.filter(missing)
+        late = self._commit(
+            late_rows,
             batch_id=batch_id,
             app_id=f"{app_id}:late:{now}",
-            meta=meta,
-            payload=rows,
-            results=results,
+            payload=late_payload,
+            defer_index=False,
         )
         return CommitOutcome(
             version=late.version,
@@ -464,57 +465,3 @@ class Dedup:
         if not keys:
             return 0
         return self.hot.release(group_by_bucket(keys, self.config.buckets), claim.owner)
-
-    def _ledger_rows(
-        self,
-        claim: BatchClaim,
-        *,
-        indices: Sequence[int],
-        every_row: bool,
-        keys: Sequence[str],
-        buckets: Sequence[int],
-        batch_id: int,
-        now_ms: int,
-        meta: pa.Table | None,
-        results: Mapping[int, str] | None,
-    ) -> pa.Table:
-        """The ledger rows of the succeeded ``indices`` (``every_row``: they are every row
-        of the batch, in order, so the batch-aligned ``meta`` needs no take)."""
-        size = len(indices)
-        at = datetime.fromtimestamp(now_ms / 1000, tz=UTC)
-
-        def repeat(value: object, kind: pa.DataType) -> pa.Array:
-            if isinstance(value, str):
-                return repeat_text(value, size)
-            return pa.repeat(pa.scalar(value, kind), size)
-
-        whole = every_row and meta is not None and meta.num_rows == size
-        taken = pa.array(indices, pa.int64()) if meta is not None and not whole else None
-
-        def meta_column(name: str, kind: pa.DataType) -> pa.Array:
-            if meta is not None and name in meta.column_names:
-                column = meta.column(name)
-                return (column if taken is None else column.take(taken)).combine_chunks().cast(kind)
-            return pa.nulls(size, kind)
-
-        columns: dict[str, pa.Array] = {
-            "group": repeat(self.config.group, pa.string()),
-            "bucket": pa.array(buckets, pa.int32()),
-            "key": pa.array(keys, pa.string()),
-            "msg_id": meta_column("msg_id", pa.string()),
-            "origin_msg_id": meta_column("origin_msg_id", pa.string()),
-            "topic": meta_column("topic", pa.string()),
-            "queue_id": meta_column("queue_id", pa.int32()),
-            "queue_offset": meta_column("queue_offset", pa.int64()),
-            "batch_id": repeat(batch_id, pa.int64()),
-            "owner": repeat(claim.owner, pa.string()),
-            "fingerprint": pa.array([claim.fingerprints[i] for i in indices], pa.string()),
-            "completed_at": repeat(at, pa.timestamp("us", tz="UTC")),
-            "completed_date": repeat(at.date(), pa.date32()),
-            "result": (
-                pa.array([results.get(i) for i in indices], pa.string())
-                if results
-                else pa.nulls(size, pa.string())
-            ),
-        }
-        return pa.table(columns)

@@ -62,10 +62,12 @@ from redis.commands.core import Script
 from idem import metrics
 from idem.claim_calls import CLAIM_CHUNK, ClaimCalls, as_text
 from idem.clock import SYSTEM_CLOCK, Clock, SystemClock
+from idem.complete_calls import CompleteCalls, listed_keys
 from idem.config import IdemConfig
 from idem.errors import ConfigError, StoreUnavailable
 from idem.hotstore_types import (
     ABSENT,
+    BucketKeys,
     ClaimResult,
     CompleteResult,
     HotStore,
@@ -483,57 +485,63 @@ class RedisHotStore:
         """
         self._owner(owner)
         decided = self._decided(keys_by_bucket, buckets)
-        when = self.instant()
-        at = when.ms if completed_at_ms is None else completed_at_ms
-        head_tail = [
-            owner, when.arg, self._claim_gens, str(at), _version("version", version), self._window
-        ]  # fmt: skip
-        token = uuid.uuid4().hex
-        calls = self._script_calls(self._complete, "complete")
-        plan: list[tuple[int, Sequence[str], int, bool]] = []  # bucket, keys, offset, decides
-        values_of: list[list[str]] = []  # every bucket's, checked before anything is sent
-        tail = f"|{at}"
-        for bucket in decided:
-            try:
-                prints = [fingerprints[key] for key in keys_by_bucket.get(bucket, ())]
-            except KeyError as exc:
-                raise ValueError(f"fingerprints: no fingerprint for key {exc.args[0]!r}") from None
-            if "|" in "".join(prints):
-                raise ValueError("fingerprints: a fingerprint must not contain '|'")
-            values_of.append([fingerprint + tail for fingerprint in prints])
-        try:
-            for bucket, values in zip(decided, values_of, strict=True):
-                keys = keys_by_bucket.get(bucket, ())
-                tag = self._tags[bucket]
-                routing = [self._wm[bucket], f"{tag}:s:{token}"]
-                if keys:
-                    routing += [
-                        self._completed_name(tag, at // self.completed_ttl_ms),
-                        *self._claim_names(tag, when.ms, when.slack_ms),
-                    ]
-                head = [tag, *head_tail]
-                for args, offset, decides in _calls(
-                    head, (keys, values), COMPLETE_CHUNK, pairs=True
-                ):
-                    calls.add(tag, routing, args)
-                    plan.append((bucket, keys, offset, decides))
-        except BaseException:
-            calls.abandon()  # read what was sent: the connection goes back to the pool
-            raise
-        replies = self.checked(calls.replies(), "complete")
+        parts = [listed_keys(b, keys_by_bucket.get(b, ()), fingerprints) for b in decided]
+        return self._completion(owner, version, completed_at_ms).run(parts)
 
-        completed = 0
-        fenced: list[str] = []
-        lagging: set[int] = set()
-        for (bucket, keys, offset, decides), reply in zip(plan, replies, strict=True):
-            codes = as_text(reply[0])
-            fenced_here = codes.count("F")
-            completed += len(codes) - fenced_here
-            if fenced_here:
-                fenced += [keys[offset + i] for i, code in enumerate(codes) if code == "F"]
-            if decides and reply[1] != 1:
-                lagging.add(bucket)
-        return CompleteResult(completed, fenced, not lagging, frozenset(lagging))
+    def complete_buckets(
+        self,
+        parts: Iterable[BucketKeys],
+        owner: str,
+        *,
+        version: int,
+        completed_at_ms: int | None = None,
+    ) -> CompleteResult:
+        """:meth:`complete` of the buckets ``parts`` name, each part with every key of its
+        bucket; their keys are read a call's worth at a time (and checked by the caller)."""
+        self._owner(owner)
+        return self._completion(owner, version, completed_at_ms).run(parts)
+
+    def _completion(self, owner: str, version: int, completed_at_ms: int | None) -> CompleteCalls:
+        return CompleteCalls(
+            self, owner, version=version, completed_at_ms=completed_at_ms, chunk=COMPLETE_CHUNK
+        )
+
+    # -- what a complete call needs (see :class:`~idem.complete_calls.CompleteCalls`) --------
+
+    def complete_route(
+        self, bucket: int, token: str, when: Instant, at_ms: int, *, keys: bool
+    ) -> tuple[str, list[str]]:
+        """The hash tag of ``bucket`` and the KEYS of a complete call there (``keys``: it
+        carries keys) at ``when``, of keys completed at ``at_ms``, in session ``token``."""
+        tag = self._tags[self._bucket(bucket)]
+        routing = [self._wm[bucket], f"{tag}:s:{token}"]
+        if keys:
+            routing += [
+                self._completed_name(tag, at_ms // self.completed_ttl_ms),
+                *self._claim_names(tag, when.ms, when.slack_ms),
+            ]
+        return tag, routing
+
+    def complete_arguments(self, owner: str, now: str, at_ms: int, version: int) -> list[str]:
+        """ARGV[2..7] of complete.lua (ARGV[1] is the bucket's tag, the mode follows);
+        ``now`` is an :class:`~idem.server_time.Instant`'s ``arg``."""
+        return [
+            owner,
+            now,
+            self._claim_gens,
+            str(at_ms),
+            _version("version", version),
+            self._window,
+        ]
+
+    def complete_calls(self) -> ScriptCalls:
+        """A new stream of complete.lua calls."""
+        return self._script_calls(self._complete, "complete")
+
+    @property
+    def session_ttl_ms(self) -> int:
+        """The life of the chunk counter of an unfinished multi-call completion."""
+        return SESSION_TTL_MS
 
     def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:
         """Give back ``owner``'s claims (compare-and-delete); return how many were released.
@@ -787,10 +795,10 @@ class RedisHotStore:
 
 
 def _calls(
-    head: list[str], columns: Sequence[Sequence[str | int]], size: int, *, pairs: bool = False
+    head: list[str], columns: Sequence[Sequence[str | int]], size: int
 ) -> Iterator[tuple[list[str | int], int, bool]]:
-    """The script calls that carry ``columns`` (keys first) of one bucket: one column
-    after the other, or (``pairs``) row by row, each key followed by its values.
+    """The script calls that carry ``columns`` (keys first) of one bucket, one column
+    after the other.
 
     One ``all`` call when they fit ``size``; else ``part`` calls counted in a
     session key and an ``end`` call that moves the watermark only if every part
@@ -799,13 +807,13 @@ def _calls(
     join = chain.from_iterable
     total = len(columns[0])
     if total <= size:
-        yield [*head, "all", "0", *join(zip(*columns, strict=True) if pairs else columns)], 0, True
+        yield [*head, "all", "0", *join(columns)], 0, True
         return
     starts = range(0, total, size)
     for start in starts:
         part = [column[start : start + size] for column in columns]
         yield (
-            [*head, "part", str(SESSION_TTL_MS), *join(zip(*part, strict=True) if pairs else part)],
+            [*head, "part", str(SESSION_TTL_MS), *join(part)],
             start,
             False,
         )

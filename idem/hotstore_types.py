@@ -6,7 +6,7 @@ ledger index — so another backend can be added beside :class:`~idem.hotstore.R
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -73,6 +73,19 @@ class CompleteResult:
     """Whether every bucket's watermark now covers the ledger version."""
     lagging_buckets: frozenset[int] = frozenset()
     """Buckets whose watermark did not reach the version (missing, behind, or fenced)."""
+
+
+@dataclass(frozen=True)
+class BucketKeys:
+    """Every key of one bucket that a completion marks, read a slice at a time.
+
+    ``read(start, stop)`` gives the keys ``start`` to ``stop`` of the ``count`` and their
+    fingerprints (text without ``|``): only the slice in flight is ever held as text.
+    """
+
+    bucket: int
+    count: int
+    read: Callable[[int, int], tuple[Sequence[str], Sequence[str]]]
 
 
 class ClaimInFlight(Protocol):
@@ -154,6 +167,18 @@ class HotStore(Protocol):
     ) -> CompleteResult:
         """Mark keys COMPLETED after ledger ``version`` and advance the watermarks (of
         ``buckets`` only, when given: the caller decides those buckets' whole version)."""
+        ...
+
+    def complete_buckets(
+        self,
+        parts: Iterable[BucketKeys],
+        owner: str,
+        *,
+        version: int,
+        completed_at_ms: int | None = None,
+    ) -> CompleteResult:
+        """:meth:`complete` of the buckets ``parts`` name (each with every key of its
+        bucket), reading their keys a slice at a time."""
         ...
 
     def release(self, keys_by_bucket: Mapping[int, Sequence[str]], owner: str) -> int:

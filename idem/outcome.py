@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import pyarrow as pa
+
 
 class DuplicateCause(StrEnum):
     """Why a row was not handed to the sink."""
@@ -120,6 +122,29 @@ class BatchClaim:
     def fresh_keys(self) -> list[str]:
         """The keys of the fresh rows, in input order."""
         return [k for k in (self.keys[i] for i in self.fresh) if k is not None]
+
+
+@dataclass(frozen=True)
+class ClaimedRows:
+    """Rows claimed as fresh by ``owner`` elsewhere (e.g. on Spark's executors), every
+    one succeeded, as Arrow columns: what :meth:`idem.dedup.Dedup.complete_rows` records.
+
+    ``columns`` holds each row's ``key`` (one row per key), ``bucket`` and
+    ``fingerprint``, and may hold the ledger's ``msg_id``, ``origin_msg_id``,
+    ``topic``, ``queue_id``, ``queue_offset`` and ``result`` (absent: null).
+    ``ledger_version``, ``held`` and ``claimed_at_ms`` are as in :class:`BatchClaim`.
+    """
+
+    owner: str
+    columns: pa.Table
+    ledger_version: int = -1
+    held: bool = True
+    claimed_at_ms: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """How many rows were claimed."""
+        return int(self.columns.num_rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from idem.clock import Clock, SystemClock
 from idem.config import DedupMode, MismatchPolicy
@@ -42,7 +43,7 @@ from idem.keys import group_by_bucket
 from idem.lease_keeper import LeaseKeeper
 from idem.ledger.deltars import DeltaLedger
 from idem.ledger.staged import StagedRows
-from idem.outcome import BatchClaim, CommitOutcome, DuplicateCause
+from idem.outcome import ClaimedRows, DuplicateCause
 from idem.retry.engine import RetryEngine
 from idem.retry.message import MessageExt
 from idem.retry.sendback import BUSY_DELAY_LEVEL
@@ -669,8 +670,8 @@ class MicroBatch:
             )
 
     def _commit_on_driver(self, claimed: ClaimedBatch, rows: DataFrame, offered: int) -> _Commit:
-        """The commit through :meth:`idem.dedup.Dedup.complete`, with the ledger columns
-        gathered on the driver: the delta-rs engine's path.
+        """The commit through :meth:`idem.dedup.Dedup.complete_rows`, with the ledger
+        columns gathered on the driver as Arrow: the delta-rs engine's path.
 
         A Delta sink's own columns stay off the driver on delta-rs: the executors
         stage the rows as files the commit streams (:mod:`idem.spark.staging`).
@@ -689,39 +690,29 @@ class MicroBatch:
     def _complete(self, claimed: ClaimedBatch, rows: DataFrame, staging: Staging | None) -> _Commit:
         s = self.setup
         payload: StagedRows | None = None
-        if staging is None:  # a function sink: the rows hold the ledger columns alone
-            table = rows.toArrow()
+        if staging is None:  # a function sink: the ledger columns come to the driver
+            table = rows.select(*_DRIVER_COLUMNS).toArrow()
         else:  # the executors stage every column; the driver reads back the ledger's
             payload = staging.stage(rows, _DRIVER_COLUMNS)
             table = payload.keys
-        keys = table.column("key").to_pylist()
-        claim = BatchClaim(
+        claim = ClaimedRows(
             owner=self.owner,
-            keys=tuple(keys),
-            fingerprints=tuple(table.column("fingerprint").to_pylist()),
-            fresh=tuple(range(table.num_rows)),
-            duplicates={},
-            busy=(),
-            invalid=(),
+            columns=table,
             ledger_version=claimed.version,
-            buckets=tuple(table.column("bucket").to_pylist()),
             held=s.hold,
             claimed_at_ms=claimed.claimed_at_ms,
         )
-        meta = table.select(["msg_id", "origin_msg_id", "topic"])
-        result: CommitOutcome = s.dedup.complete(
-            claim,
-            batch_id=self.batch_id,
-            app_id=self.app_id,
-            meta=meta,
-            payload=payload,
-            defer_index=True,
+        result = s.dedup.complete_rows(
+            claim, batch_id=self.batch_id, app_id=self.app_id, payload=payload, defer_index=True
         )
+        keys = table.column("key")
         slipped = set(result.slipped)
-        applied = [k for k in keys if k not in slipped] if slipped else keys
+        if slipped:
+            gone = pa.array(sorted(slipped), pa.string())
+            keys = keys.filter(pc.invert(pc.is_in(keys, value_set=gone)))
         return _Commit(
-            applied=len(applied),
-            applied_keys=tuple(applied[:APPLIED_KEYS_SHOWN]),
+            applied=len(keys),
+            applied_keys=tuple(keys.slice(0, APPLIED_KEYS_SHOWN).to_pylist()),
             slipped=len(slipped),
             version=result.version,
             replayed=result.replayed,

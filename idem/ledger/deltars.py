@@ -873,11 +873,10 @@ class _Source:
         at = now_ms if staged.completed_at_ms is None else staged.completed_at_ms
         ledger_columns = [n for n in staged.keys.column_names if n in LEDGER_SCHEMA.names]
         index = _stamped(staged.keys.select(ledger_columns), at)
-        unique = len(pc.unique(index.column("key")))
-        if unique != index.num_rows:
+        repeated = _repeated(index.column("key"))
+        if repeated:
             raise LedgerError(
-                f"staged rows: {index.num_rows - unique} key(s) appear more than once "
-                "(stage one row per key)"
+                f"staged rows: {repeated} key(s) appear more than once (stage one row per key)"
             )
         schema = _stamped(staged.schema.empty_table(), at).schema
         return cls(index=index, schema=schema, staged=staged, now_ms=at)
@@ -916,6 +915,21 @@ class _Source:
             if excluding is not None:
                 rows = rows.filter(pc.invert(pc.is_in(rows.column("key"), value_set=excluding)))
             yield from rows.cast(self.schema).to_batches()
+
+
+_REPEAT_CHECK_ROWS = 64 * 1024
+
+
+def _repeated(keys: pa.ChunkedArray) -> int:
+    """How many of ``keys`` repeat another: the sorted keys compared with their neighbours a
+    slice at a time (a hash table of every key held several times the keys' size)."""
+    order = pc.sort_indices(keys)
+    repeated = 0
+    for start in range(0, len(keys) - 1, _REPEAT_CHECK_ROWS):
+        window = keys.take(order.slice(start, _REPEAT_CHECK_ROWS + 1))
+        same = pc.equal(window.slice(1), window.slice(0, len(window) - 1))
+        repeated += int(pc.sum(same).as_py() or 0)
+    return repeated
 
 
 def _stamped(rows: pa.Table, now_ms: int) -> pa.Table:

@@ -164,7 +164,7 @@ def _commit_then_die(url: str, data_dir: str, keys: list[str]) -> None:
     def crash(*_args: object, **_kwargs: object) -> None:
         os._exit(17)  # the process dies between the ledger commit and Redis
 
-    dd.hot.complete = crash  # type: ignore[method-assign]
+    dd.hot.complete_buckets = crash  # type: ignore[method-assign]
     claim = dd.begin(keys, owner="dying:0")
     dd.complete(claim, batch_id=0, app_id="dying")
 
@@ -203,14 +203,14 @@ def test_a_live_writer_indexes_its_own_commit_and_others_do_not_reload_it(
     keys = [f"ORDERID_{i}" for i in range(300)]
     claim = writer.begin(keys, owner="a:1")
     pending: list[Callable[[], object]] = []
-    real_complete = writer.hot.complete
+    real_complete = writer.hot.complete_buckets
 
     def later(*args: Any, **kwargs: Any) -> CompleteResult:
         pending.append(lambda: real_complete(*args, **kwargs))
         return CompleteResult(completed=0, fenced=[], watermark_advanced=False)
 
     # The writer's ledger commit lands; its Redis update is still on the way.
-    writer.hot.complete = later  # type: ignore[method-assign]
+    writer.hot.complete_buckets = later  # type: ignore[method-assign]
     writer.complete(claim, batch_id=1, app_id="writer-a")
     assert len(pending) == 1
 
