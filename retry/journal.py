@@ -30,6 +30,7 @@ from idem.retry.errors import JournalError
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal_base import (
     BASE_OF,
+    BASE_ROWS,
     HISTORY_WINDOWS,
     JournalBase,
     as_scheduled,
@@ -47,6 +48,7 @@ from idem.retry.journal_events import (
     live_messages,
     plan,
 )
+from idem.retry.journal_history import settled_history
 from idem.retry.store import APPLY_CHUNK, ApplyResult, Op, ScheduleStore
 
 __all__ = [
@@ -202,7 +204,7 @@ class RetryJournal:
         assert table is not None  # the txn is committed, so the table exists
         tag = f"{app_id}@{txn_version}"
         for window in HISTORY_WINDOWS:
-            history = table.history(window)
+            history = settled_history(table, window)
             mine = [info for info in history if info.get(TXN_OF) == tag]
             if any(info.get(TXN_ROLE) == "batch" for info in mine):
                 done: set[tuple[str, str]] = set()
@@ -435,6 +437,13 @@ class RetryJournal:
                     for r in pa.table(reader).to_pylist()
                     if r["_change_type"] == "insert" and r["event"] == JournalEventType.BASE
                 ]
+            expected = info.get(BASE_ROWS)
+            if expected is not None and int(expected) != len(rows):
+                # never rebuild from a base read short: its missing messages would be skipped
+                raise JournalError(
+                    f"retry journal {self.path}: base at version {found} holds {expected} "
+                    f"row(s), {len(rows)} read back"
+                )
             rows.sort(key=lambda r: int(r["seq"]))
             live = tuple(JournalEvent.from_row(r) for r in rows)
             return JournalBase(version=found, covers=int(info[BASE_OF]), live=live)
@@ -496,7 +505,7 @@ class RetryJournal:
         else:
             events = [e for _pos, e in self.read_since(START, until=covers)[0]]
         rows = base_rows(list(live_messages(events).values()), now_ms)
-        version = self.append(rows, metadata={BASE_OF: str(covers)})
+        version = self.append(rows, metadata={BASE_OF: str(covers), BASE_ROWS: str(len(rows))})
         assert version is not None  # a base commit is written even when nothing is live
         return JournalBase(version=version, covers=covers, live=tuple(rows))
 
@@ -547,13 +556,16 @@ def _pairs(reader: Any) -> set[tuple[str, str]]:
 
 
 def _newest_base_commit(table: DeltaTable, version: int | None = None) -> dict[str, str] | None:
-    """``version`` and ``BASE_OF`` of the newest base commit (or of the one at ``version``),
-    looking back through more history each time."""
+    """``version``, ``BASE_OF`` and (when recorded) ``BASE_ROWS`` of the newest base commit
+    (or of the one at ``version``), looking back through more history each time."""
     for window in HISTORY_WINDOWS:
-        history = table.history(window)
+        history = settled_history(table, window)
         for info in history:  # newest first
             if BASE_OF in info and (version is None or int(info["version"]) == version):
-                return {"version": str(info["version"]), BASE_OF: str(info[BASE_OF])}
+                found = {"version": str(info["version"]), BASE_OF: str(info[BASE_OF])}
+                if BASE_ROWS in info:
+                    found[BASE_ROWS] = str(info[BASE_ROWS])
+                return found
         if window is None or len(history) < window:
             return None
     return None

@@ -21,6 +21,9 @@ from idem.retry.journal_events import JournalEvent, JournalEventType, JournalPos
 
 BASE_OF = "idem.journal.base_of"
 """Commit-info key of a base commit: the journal version the base restates."""
+BASE_ROWS = "idem.journal.base_rows"
+"""Commit-info key of a base commit: how many ``BASE`` rows it holds (a read of the base
+that finds another number fails rather than rebuild from part of it)."""
 
 _CURSOR_PREFIX = "base:"
 

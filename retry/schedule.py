@@ -217,7 +217,7 @@ class ScheduleService:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = self.store.client.pubsub(  # type: ignore[no-untyped-call]
+                    pubsub = self.store.client.pubsub(  # type: ignore[no-untyped-call,unused-ignore]
                         ignore_subscribe_messages=True
                     )
                     pubsub.subscribe(self.store.keys.wake_channel)

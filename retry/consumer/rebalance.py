@@ -294,7 +294,7 @@ class RebalanceService:
         while not self._stop.is_set():
             try:
                 if pubsub is None:
-                    pubsub = self.membership.client.pubsub(  # type: ignore[no-untyped-call]
+                    pubsub = self.membership.client.pubsub(  # type: ignore[no-untyped-call,unused-ignore]
                         ignore_subscribe_messages=True
                     )
                     pubsub.subscribe(self.membership.channel)

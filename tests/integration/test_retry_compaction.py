@@ -11,9 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import redis
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
+from deltalake.transaction import CommitProperties
 from retry_helpers import drain
 
 from idem.cli import main as idem_main
@@ -21,7 +23,10 @@ from idem.clock import ManualClock
 from idem.config import IdemConfig
 from idem.redis_server import RedisServer
 from idem.retry import MessageExt, RetryEngine, audit_states
-from idem.retry.journal_base import BASE_OF
+from idem.retry.errors import JournalError
+from idem.retry.journal import RetryJournal
+from idem.retry.journal_base import BASE_OF, BASE_ROWS, JournalBase
+from idem.retry.journal_history import settled_history
 
 pytestmark = pytest.mark.integration
 
@@ -163,3 +168,91 @@ def test_running_schedule_services_compact_the_journal_once_per_interval(
     assert {e.origin_msg_id for e in base.live} == {f"s-{i}" for i in range(20)}
     history = DeltaTable(config.resolved_journal_path).history()
     assert sum(1 for info in history if BASE_OF in info) == 1  # one per interval, group-wide
+
+
+def test_a_rebuild_racing_a_new_base_commit_restates_every_live_message(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    real_redis: redis.Redis,
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process commits a base just as a rebuild, after a FLUSHALL, looks for the
+    newest one: the rebuild reads that base's rows, not those of the commit before it."""
+    config = _config(tmp_path, redis_server, "CID_base_race")
+    engine = RetryEngine(config, clock=clock)
+    sent = _messages(30, "r-")
+    engine.send_back(sent, delay_level=1)
+    real_redis.flushall()
+
+    other = RetryJournal(config.resolved_journal_path, config.group)  # another process's
+    load = engine.journal._load
+    bases: list[JournalBase] = []
+
+    def load_then_base_lands() -> DeltaTable | None:
+        table = load()
+        if not bases:  # the rebuild's first look at the log: a base lands right after it
+            base = other.compact(now_ms=clock.now_ms())
+            assert base is not None
+            bases.append(base)
+        return table
+
+    monkeypatch.setattr(engine.journal, "_load", load_then_base_lands)
+    engine.sync()
+    monkeypatch.undo()
+
+    assert len(bases[0].live) == 30
+    assert engine.pending() == 30, "the rebuild skipped the messages of the base"
+    delivered = Counter(m.origin_msg_id for m in drain(engine, clock, after_s=10))
+    assert set(delivered) == {m.msg_id for m in sent}
+    assert set(delivered.values()) == {1}
+
+
+def test_history_labels_each_commit_with_its_own_version_on_a_stale_table(
+    tmp_path: Path,
+) -> None:
+    """Commits that land after a table object's snapshot, before or during its history
+    listing, are listed under their own versions."""
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"x": [0]}))
+    stale = DeltaTable(path)  # version 0
+    write_deltalake(path, pa.table({"x": [1]}), mode="append", commit_properties=_tag("one"))
+    history = settled_history(stale, 10)
+    assert [(info["version"], info.get("tag")) for info in history[:2]] == [(1, "one"), (0, None)]
+
+    listing = stale.history
+
+    def commit_then_list(limit: int | None = None) -> list[dict[str, object]]:
+        if stale.version() == 1:  # a writer commits while the listing runs
+            write_deltalake(
+                path, pa.table({"x": [2]}), mode="append", commit_properties=_tag("two")
+            )
+        return listing(limit)
+
+    stale.history = commit_then_list  # type: ignore[method-assign]
+    history = settled_history(stale, 10)
+    assert [(info["version"], info.get("tag")) for info in history[:3]] == [
+        (2, "two"),
+        (1, "one"),
+        (0, None),
+    ]
+    assert stale.version() == 2
+
+
+def test_a_base_read_back_short_fails_rather_than_rebuild_from_part_of_it(
+    tmp_path: Path, redis_server: RedisServer, real_redis: redis.Redis, clock: ManualClock
+) -> None:
+    config = _config(tmp_path, redis_server, "CID_base_short")
+    engine = RetryEngine(config, clock=clock)
+    engine.send_back(_messages(5, "s-"), delay_level=1)
+    covered = engine.journal.latest_version()
+    # a base commit whose rows are missing: its commit info says five, the commit has none
+    engine.journal.append([], metadata={BASE_OF: str(covered), BASE_ROWS: "5"})
+    real_redis.flushall()
+    with pytest.raises(JournalError, match="holds 5 row"):
+        engine.journal.sync(engine.store)
+    assert engine.store.cursor() is None, "the cursor moved past a base read short"
+
+
+def _tag(value: str) -> CommitProperties:
+    return CommitProperties(custom_metadata={"tag": value})
