@@ -15,7 +15,7 @@ from idem.delay_levels import (
     DelayLevels,
 )
 from idem.retry.audit import StateAudit, audit_group, audit_states
-from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterStatus, DeadLetterTable
+from idem.retry.dlq import DLQ_SCHEMA, DeadLetter, DeadLetterId, DeadLetterStatus, DeadLetterTable
 from idem.retry.engine import (
     RetryEngine,
     RetryStats,
@@ -100,6 +100,7 @@ __all__ = [
     "ConsumeResult",
     "DeadLetter",
     "DeadLetterError",
+    "DeadLetterId",
     "DeadLetterStatus",
     "DeadLetterTable",
     "DeadLettered",

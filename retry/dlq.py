@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable
 from deltalake.schema import Field, PrimitiveType
 from deltalake.transaction import CommitProperties, Transaction
@@ -223,6 +224,19 @@ class DeadLetter:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetterId:
+    """Who a dead letter is, without its body: what :meth:`DeadLetterTable.dead_among`
+    answers."""
+
+    COLUMNS = ("msg_id", "origin_msg_id", "key", "reconsume_times", "status")
+
+    msg_id: str
+    origin_msg_id: str
+    key: str | None
+    reconsume_times: int
+
+
 class DeadLetterTable:
     """``%DLQ%<group>`` at ``path``: write (idempotent), list, show, mark replayed/discarded."""
 
@@ -361,6 +375,34 @@ class DeadLetterTable:
             rows = [r for r in rows if r.status is DeadLetterStatus(status)]
         rows.sort(key=lambda r: (r.dead_at_ms, r.origin_msg_id), reverse=True)
         return rows if limit is None else rows[:limit]
+
+    def dead_among(self, msg_ids: Iterable[str]) -> builtins.list[DeadLetterId]:
+        """The ``DEAD`` rows whose ``msg_id`` is one of ``msg_ids``, as their ids.
+
+        Reads four columns of the table, never the bodies, and builds an object only for
+        the rows found: what a process checks at its start, however many letters the
+        table holds.
+        """
+        wanted = pa.array(sorted(set(msg_ids)), pa.string())
+        table = self._table(create=False)
+        if table is None or len(wanted) == 0:
+            return []
+
+        def read() -> pa.Table:
+            rows = read_table(table, DeadLetterId.COLUMNS)
+            dead = pc.and_(
+                pc.equal(rows.column("status").cast(pa.string()), str(DeadLetterStatus.DEAD)),
+                pc.is_in(rows.column("msg_id").cast(pa.string()), value_set=wanted),
+            )
+            return rows.filter(dead)
+
+        rows = self.faults.delta(
+            read, what=f"read {self.name} at {self.path}", wrap=DeadLetterError
+        )
+        return [
+            DeadLetterId(r["msg_id"], r["origin_msg_id"], r["key"], int(r["reconsume_times"]))
+            for r in rows.to_pylist()
+        ]
 
     def show(self, msg_id: str) -> builtins.list[DeadLetter]:
         """The rows whose ``origin_msg_id`` or ``msg_id`` is ``msg_id``."""

@@ -36,7 +36,7 @@ from idem.redis_client import check_eviction_policy, connect
 from idem.redis_cluster import RedisClient
 from idem.retry.combiner import CallCombiner
 from idem.retry.crash_points import SendBackStage, StageObserver
-from idem.retry.dlq import DeadLetterStatus, DeadLetterTable
+from idem.retry.dlq import DeadLetterTable
 from idem.retry.faults import DEFAULT_FAULT_TOLERANCE, FaultTolerance
 from idem.retry.journal import (
     SMALL_FILES_TO_COMPACT,
@@ -560,7 +560,8 @@ class RetryEngine:
         was made, so the death is finished, never undone: the message leaves the ladder at
         the next sync. A message is only ever scheduled again under a new msg id (a replay
         of its dead letter too), so a ``DEAD`` row whose msg id is live is always such a
-        cut-short dead-lettering. Reads the whole DLQ and the journal since its newest base.
+        cut-short dead-lettering. Reads the journal since its newest base and, of the DLQ, the
+        ids of the dead rows among the live messages.
         """
         if not self.dlq.exists():
             return 0
@@ -578,8 +579,8 @@ class RetryEngine:
                 -1,
                 at_ms=now,
             )
-            for letter in self.dlq.list(status=DeadLetterStatus.DEAD)
-            if letter.msg_id in live and live[letter.msg_id].origin_msg_id == letter.origin_msg_id
+            for letter in self.dlq.dead_among(live)
+            if live[letter.msg_id].origin_msg_id == letter.origin_msg_id
         ]
         if events:
             self.journal.append(events)

@@ -148,3 +148,20 @@ def test_an_absent_table_reads_as_empty(tmp_path: Path, clock: ManualClock) -> N
     table = DeadLetterTable(str(tmp_path / "nothing"), "CID_dlq", clock=clock)
     assert table.list() == []
     assert table.mark_discarded([("O", "M")]) == 0
+
+
+def test_dead_among_names_the_dead_rows_of_the_ids_asked_for(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    table = DeadLetterTable(str(tmp_path / "dlq"), "CID_dlq", clock=clock)
+    assert table.dead_among(["M0"]) == []  # no table yet
+    letters = _letters(clock, 5)
+    table.write(letters)
+    table.mark_replayed([letters[1]])
+    table.mark_discarded([letters[2]])
+    found = table.dead_among(["M0", "M1", "M2", "M4", "M9"])
+    assert sorted((d.msg_id, d.origin_msg_id, d.key, d.reconsume_times) for d in found) == [
+        ("M0", "O0", "ORDER_0", 16),
+        ("M4", "O4", "ORDER_4", 16),
+    ]
+    assert table.dead_among([]) == []
