@@ -53,7 +53,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(p) for p in (_HERE, _HERE.parent, _HERE.parent / "scenarios")]
 
-from c10_runs import delta_versions, kill_run, run_command, start_run  # noqa: E402
+from c10_runs import delta_versions, kill_run, run_args, run_command, start_run  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 from proxy import FaultProxy  # noqa: E402
 from soak import (  # noqa: E402
@@ -303,17 +303,19 @@ def run_seed(
 
     def command(extra: list[str]) -> list[str]:
         return run_command(
-            source=source,
-            key="order_id",
-            group=group,
-            url=proxy.url(socket_timeout=SOCKET_TIMEOUT_S),
-            data_dir=base / "data",
-            checkpoint=base / "checkpoint",
-            schema=SCHEMA,
-            extra=[
-                "--msg-id-field", "mid", "--sink-delta", str(sink), "--sink-fn", SINK_FN,
-                "--engine", "delta-rs", *extra,
-            ],
+            run_args(
+                source=source,
+                key="order_id",
+                group=group,
+                url=proxy.url(socket_timeout=SOCKET_TIMEOUT_S),
+                data_dir=base / "data",
+                checkpoint=base / "checkpoint",
+                schema=SCHEMA,
+                extra=[
+                    "--msg-id-field", "mid", "--sink-delta", str(sink), "--sink-fn", SINK_FN,
+                    "--engine", "delta-rs", *extra,
+                ],
+            )
         )  # fmt: skip
 
     env = {**os.environ, "IDEM_LEASE_MS": str(LEASE_MS)}

@@ -63,10 +63,11 @@ def run_args(
     ]  # fmt: skip
 
 
-def run_command(**args: Any) -> list[str]:
-    """The ``idem run`` command line of a test (:func:`run_args`), its JVM quick to start."""
+def run_command(arguments: list[str]) -> list[str]:
+    """The command line running ``idem`` with ``arguments`` (:func:`run_args`), its JVM
+    quick to start."""
     return [
-        sys.executable, "-m", "idem.cli", *run_args(**args),
+        sys.executable, "-m", "idem.cli", *arguments,
         "--spark-conf", f"spark.driver.extraJavaOptions={FAST_START_JAVA_OPTIONS}",
     ]  # fmt: skip
 
@@ -88,15 +89,15 @@ def kill_run(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _c10_args(tmp: Path, url: str, group: str, sink_args: list[str]) -> dict[str, Any]:
-    return {
-        "source": tmp / "in", "key": "order_id", "group": group, "url": url,
-        "data_dir": tmp / "data", "checkpoint": tmp / "checkpoint", "schema": SCHEMA,
-        "extra": [
+def _c10_args(tmp: Path, url: str, group: str, sink_args: list[str]) -> list[str]:
+    return run_args(
+        source=tmp / "in", key="order_id", group=group, url=url,
+        data_dir=tmp / "data", checkpoint=tmp / "checkpoint", schema=SCHEMA,
+        extra=[
             "--available-now", "--max-files-per-trigger", "1",
             "--report-json", str(tmp / "report.json"), *sink_args,
         ],
-    }  # fmt: skip
+    )  # fmt: skip
 
 
 def idem_run(
@@ -110,7 +111,7 @@ def idem_run(
     env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """Run ``idem run --available-now`` once; kill it as asked; return (exit code, output)."""
-    command = run_command(**_c10_args(tmp, url, group, sink_args))
+    command = run_command(_c10_args(tmp, url, group, sink_args))
     full_env = {**os.environ, **(env or {})}
     full_env.pop(KILL_AT_ENV, None)
     if kill_at:
@@ -138,7 +139,7 @@ def idem_run_here(
     """The same run in this process, on its Spark session (the test's shared one, whose
     settings win): a restart on the checkpoint with no JVM of its own to start. Its exit
     code; ``env`` is set while it runs."""
-    return cli_main_with(run_args(**_c10_args(tmp, url, group, sink_args)), env or {})
+    return cli_main_with(_c10_args(tmp, url, group, sink_args), env or {})
 
 
 def delta_versions(path: Path) -> int:
