@@ -364,6 +364,7 @@ def run_seed(
         ):
             if time.monotonic() > deadline:
                 report.problems.append(f"not settled {settle_timeout_s:.0f}s after the last fault")
+                report.problems.append(_whereabouts(the_plan.keys, sink, engine))
                 break
             time.sleep(0.2)
         report.settle_s = time.monotonic() - last_fault
@@ -443,6 +444,23 @@ def _settled(
         return engine.pending() == 0
     except Exception:  # the store restarting, say: ask again
         return False
+
+
+def _whereabouts(keys: list[str], sink: FileSink, engine: RetryEngine) -> str:
+    """Where the keys not in the sink are when the settle time ran out: still retrying
+    (live in the retry journal: slow, not lost) or not (never consumed, or gone)."""
+    written = {row["key"] for row in sink.rows()}
+    missing = [k for k in keys if k not in written]
+    try:
+        retrying = {event.key for event in engine.journal.live().values()}
+    except Exception as exc:  # the journal unreadable: say so rather than guess
+        return f"{len(missing)} key(s) not in the sink; the retry journal unreadable: {exc!r}"
+    other = [k for k in missing if k not in retrying]
+    return (
+        f"of the {len(missing)} key(s) not in the sink, {len(missing) - len(other)} are still "
+        f"retrying (live in the retry journal) and {len(other)} are not (never consumed from "
+        f"the topic, or gone), e.g. {other[:5]}"
+    )
 
 
 def _judge(
