@@ -291,8 +291,11 @@ class RetryEngine:
         getting its own messages' outcomes.
         """
         errors = errors or {}
+        now = self.clock.now_ms()  # one instant: the call's messages fall due together
         decisions = [
-            self.processor.process(m, delay_level=delay_level, error=errors.get(m.msg_id))
+            self.processor.process(
+                m, delay_level=delay_level, error=errors.get(m.msg_id), now_ms=now
+            )
             for m in messages
         ]
         return self._send(decisions, app_id=app_id, txn_version=txn_version)
@@ -318,8 +321,9 @@ class RetryEngine:
         message over ``max_message_bytes``, which no path could schedule);
         ``app_id``/``txn_version`` journal a batch once, as for :meth:`send_back`.
         """
+        now = self.clock.now_ms()
         decisions: list[SendBackDecision] = [
-            self.processor.process_busy(m, delay_level=delay_level) for m in messages
+            self.processor.process_busy(m, delay_level=delay_level, now_ms=now) for m in messages
         ]
         return self._send(decisions, app_id=app_id, txn_version=txn_version)
 
@@ -483,9 +487,14 @@ class RetryEngine:
         if errors is None and reason is not None:
             errors = {m.msg_id: reason for m in messages}
         errors, reasons = errors or {}, reasons or {}
+        now = self.clock.now_ms()
         decisions = [
             self.processor.process(
-                m, delay_level=-1, error=errors.get(m.msg_id), reason=reasons.get(m.msg_id)
+                m,
+                delay_level=-1,
+                error=errors.get(m.msg_id),
+                reason=reasons.get(m.msg_id),
+                now_ms=now,
             )
             for m in messages
         ]

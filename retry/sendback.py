@@ -131,13 +131,16 @@ class SendBackProcessor:
         delay_level: int = 0,
         error: str | BaseException | None = None,
         reason: str | None = None,
+        now_ms: int | None = None,
     ) -> SendBackDecision:
         """Decide where ``message`` goes after a failed consume.
 
         ``reason``, when the message is dead-lettered, is the DLQ row's reason in
         place of the policy's (the caller knows why better, e.g. a limit it applied).
+        ``now_ms``: the instant of the send-back (default: the clock's, read now), so
+        the messages of one call fall due together.
         """
-        now = self.clock.now_ms()
+        now = self.clock.now_ms() if now_ms is None else now_ms
         failure = FailureRecord.of(error, now)
         state = DeliveryState(
             key=message.keys,
@@ -191,7 +194,11 @@ class SendBackProcessor:
         return DeadLettered(original=original, letter=letter)
 
     def process_busy(
-        self, message: MessageExt, *, delay_level: int = BUSY_DELAY_LEVEL
+        self,
+        message: MessageExt,
+        *,
+        delay_level: int = BUSY_DELAY_LEVEL,
+        now_ms: int | None = None,
     ) -> SendBackDecision:
         """Schedule ``message`` again because its key is busy: not a failure.
 
@@ -201,11 +208,12 @@ class SendBackProcessor:
         ``message.msg_id`` (:func:`~idem.retry.message.new_msg_id`, as a failure's
         resend of that copy would be: one copy is placed once). Only a
         message over ``max_message_bytes`` is dead-lettered (no path could
-        schedule it), its history unchanged.
+        schedule it), its history unchanged. ``now_ms`` as for :meth:`process`.
         """
+        now = self.clock.now_ms() if now_ms is None else now_ms
         level = min(max(delay_level, 1), self.levels.max_level)
         delay_ms = self.levels.delay_ms(level)
-        due = self.clock.now_ms() + delay_ms
+        due = now + delay_ms
         scheduled = self._build(
             message,
             new_msg_id(self.group, message.msg_id),
@@ -217,7 +225,6 @@ class SendBackProcessor:
         wire = scheduled.to_wire()
         too_large = oversize_reason(scheduled, wire, self.max_message_bytes)
         if too_large is not None:  # the reason is its error: it failed no consume
-            now = self.clock.now_ms()
             failed = with_failure(message, FailureRecord.of(too_large, now))
             return self._dead(message, failed, too_large, now)
         return Scheduled(

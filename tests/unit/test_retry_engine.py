@@ -147,3 +147,21 @@ def test_exponential_policy_is_delivered_by_the_timer_queue(
         assert engine.tick() == 1
         (message,) = engine.poll_retry("c", 10)
     assert message.reconsume_times == 3
+
+
+class _TickingClock(ManualClock):
+    """A clock that moves a millisecond at every reading, as a real one does under load."""
+
+    def now_ms(self) -> int:
+        self.advance(0.001)
+        return super().now_ms()
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["failed", "busy"])
+def test_the_messages_of_one_send_back_fall_due_together(tmp_path: Path, busy: bool) -> None:
+    clock = _TickingClock()
+    engine = _engine(tmp_path, clock, fakeredis.FakeServer())
+    send = engine.send_back_busy if busy else engine.send_back
+    assert len(send(_messages(5), delay_level=2).scheduled) == 5
+    due = {event.due_ms for event in engine.journal.events()}
+    assert len(due) == 1, f"one call, {len(due)} due times: {sorted(due)}"
