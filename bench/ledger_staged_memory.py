@@ -12,11 +12,18 @@ staged files, then commits them in a process of its own per commit path:
   create   the first commit, which creates the table
   append   the checked append (index mode), into a table of one small batch
   merge    the insert-only MERGE (strict mode), into the same
+  driver   what a Spark driver does for a Delta sink on delta-rs: read the ledger
+           columns back from the files (key, fingerprint, bucket, message ids),
+           then ``Dedup.complete_rows``: the ledger rows, the checked append and
+           the Redis index update, against a private redis-server
 
 and reports the process's resident memory before the commit (the ledger
-columns in memory) and its peak during it, then per path the growth in bytes
-per row between ``--small`` and ``--rows`` rows (what a row adds, beyond the
-fixed cost of a commit). No Spark: only the ledger and the files.
+columns in memory; for ``driver``, before they are read) and its peak during
+it, then per path the growth in bytes per row between ``--small`` and
+``--rows`` rows (what a row adds, beyond the fixed cost of a commit). For
+``driver`` it also prints the ledger columns' own size per row in Arrow, the
+least a driver that holds them can grow by. No Spark: only the ledger, the
+files and, for ``driver``, Redis.
 
 ``--target-file-size``, ``--max-row-group-size`` and ``--write-batch-size``
 set delta-rs' writer knobs, for comparison.
@@ -49,7 +56,9 @@ MIB = 1024 * 1024
 BUCKETS = 16
 STAMP_MS = 1_700_049_600_000
 HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-PATHS = ("create", "append", "merge")
+PATHS = ("create", "append", "merge", "driver")
+DRIVER_COLUMNS = ["key", "fingerprint", "bucket", "msg_id", "origin_msg_id", "topic"]
+"""What a Spark driver reads back of the staged rows (``idem.spark.micro_batch``)."""
 
 
 def rss() -> int:
@@ -151,6 +160,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         deltars.write_deltalake = knobbed  # type: ignore[assignment]
 
     table = Path(args.table)
+    if args.path == "driver":
+        return driver_child(args, table)
     ledger = DeltaLedger(str(table))
     if args.path != "create":
         first = staged_rows(Path(args.seed))
@@ -181,6 +192,61 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_row": round((top - before) / max(1, rows.num_rows)),
         "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "data_files": files,
+    }
+
+
+def driver_child(args: argparse.Namespace, table: Path) -> dict[str, Any]:
+    """The driver's completion of the staged rows: columns read back, then
+    ``Dedup.complete_rows`` with the Redis update done before it returns."""
+    from idem.config import IdemConfig, LedgerEngine
+    from idem.dedup import Dedup
+    from idem.outcome import ClaimedRows
+    from idem.redis_server import RedisServer
+
+    def staged(directory: str) -> tuple[pa.Table, StagedRows]:
+        files = sorted(str(p) for p in Path(directory).glob("*.parquet"))
+        schema = pq.read_schema(files[0])
+        columns = pa.concat_tables(pq.read_table(f, columns=DRIVER_COLUMNS) for f in files)
+        return columns, StagedRows(keys=columns, schema=schema, open=parquet_opener(files, schema))
+
+    with RedisServer() as server:
+        config = IdemConfig(
+            group="bench",
+            redis_url=server.url,
+            ledger_path=str(table),
+            engine=LedgerEngine.DELTA_RS,
+            buckets=BUCKETS,
+        )
+        dedup = Dedup(config)
+        try:
+            # The sink table exists (one small batch), as a running stream's does.
+            seed_columns, seed = staged(args.seed)
+            first = ClaimedRows(owner="bench-seed", columns=seed_columns, held=False)
+            dedup.complete_rows(first, batch_id=0, app_id="bench-seed", payload=seed)
+            seed_columns = seed = None  # type: ignore[assignment]
+            before = rss()
+            peak = Peak()
+            started = time.perf_counter()
+            columns, rows_staged = staged(args.staged)
+            read = rss()
+            claim = ClaimedRows(owner="bench-owner", columns=columns, ledger_version=0, held=False)
+            outcome = dedup.complete_rows(claim, batch_id=0, app_id="bench", payload=rows_staged)
+            seconds = time.perf_counter() - started
+            top = peak.stop()
+        finally:
+            dedup.close()
+    rows = columns.num_rows
+    return {
+        "path": args.path,
+        "rows": rows,
+        "inserted": outcome.committed,
+        "version": outcome.version,
+        "seconds": round(seconds, 1),
+        "rss_before_mib": round(before / MIB),
+        "rss_columns_read_mib": round(read / MIB),
+        "rss_peak_mib": round(top / MIB),
+        "columns_bytes_per_row": round(columns.nbytes / max(1, rows)),
+        "bytes_per_row": round((top - before) / max(1, rows)),
     }
 
 

@@ -35,7 +35,7 @@ def bucket_slices(
     numbers = np.asarray(pc.cast(buckets, pa.int64()).to_numpy(), dtype=np.int64)
     if len(numbers) and (numbers.min() < 0 or numbers.max() >= bucket_count):
         raise ValueError(f"bucket: a row's bucket is outside 0..{bucket_count - 1}")
-    prints = pc.fill_null(fingerprints, "")
+    prints = pc.fill_null(fingerprints, "") if fingerprints.null_count else fingerprints
     if len(prints) and pc.any(pc.match_substring(prints, "|")).as_py():
         raise ValueError("fingerprints: a fingerprint must not contain '|'")
     order = pa.array(np.argsort(numbers, kind="stable"))

@@ -4,7 +4,7 @@
 :class:`~idem.outcome.BatchClaim` into a :class:`~idem.outcome.ClaimedRows`
 (:func:`claimed_rows`); rows claimed elsewhere arrive as one. Either way the
 ledger rows are made from those columns (:func:`ledger_rows`), with no Python
-object per row, and the user's columns are added (:func:`with_payload`).
+object per row, and the user's columns are added (:func:`commit_rows`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ MESSAGE_COLUMNS: Mapping[str, pa.DataType] = {
     "queue_offset": pa.int64(),
 }
 """The ledger's columns a batch-aligned ``meta`` table may carry, and their types."""
+
+STAGED_COLUMNS = ("key", "bucket", "fingerprint")
+"""The columns a commit of staged rows decides with: its checks, and what it tells Redis."""
 
 
 def claimed_rows(
@@ -94,23 +97,31 @@ def ledger_rows(rows: ClaimedRows, *, group: str, batch_id: int, now_ms: int) ->
     return pa.table(columns)
 
 
-def with_payload(
-    rows: pa.Table,
+def commit_rows(
+    rows: ClaimedRows,
     payload: pa.Table | StagedRows | None,
     *,
-    results: bool,
+    group: str,
+    batch_id: int,
     now_ms: int,
 ) -> pa.Table | StagedRows:
-    """The ledger ``rows`` with the user's columns: appended, or the staged rows they
-    describe (``results``: the rows carry results of their own)."""
-    if payload is None:
-        return rows
-    if payload.num_rows != rows.num_rows:
+    """What the ledger commits for ``rows``: their ledger rows with the user's columns
+    (``payload``, aligned with ``rows``) appended, or the staged rows ``payload`` describes.
+
+    Staged rows carry every ledger column in their files (their writers made them),
+    so the commit is handed only the columns it decides with (:data:`STAGED_COLUMNS`),
+    as they are: nothing is built per row for a batch whose rows stay in files.
+    """
+    if payload is not None and payload.num_rows != rows.num_rows:
         raise ValueError(f"payload: {payload.num_rows} rows for {rows.num_rows} succeeded rows")
     if isinstance(payload, StagedRows):
-        if results:
+        if "result" in rows.columns.column_names:
             raise ValueError("results: staged rows carry their own result column")
-        return payload.with_ledger_columns(rows, completed_at_ms=now_ms)
+        decided = rows.columns.select([n for n in STAGED_COLUMNS if n in rows.columns.column_names])
+        return payload.with_ledger_columns(decided, completed_at_ms=now_ms)
+    ledger = ledger_rows(rows, group=group, batch_id=batch_id, now_ms=now_ms)
+    if payload is None:
+        return ledger
     for name in payload.column_names:
-        rows = rows.append_column(payload.schema.field(name), payload.column(name))
-    return rows
+        ledger = ledger.append_column(payload.schema.field(name), payload.column(name))
+    return ledger

@@ -24,7 +24,7 @@ import redis
 from idem.bucket_slices import bucket_slices
 from idem.claiming import PendingClaim
 from idem.clock import SYSTEM_CLOCK, Clock
-from idem.commit_rows import claimed_rows, ledger_rows, with_payload
+from idem.commit_rows import claimed_rows, commit_rows
 from idem.config import DedupMode, IdemConfig
 from idem.errors import StoreUnavailable
 from idem.hotstore import CompleteResult, HotStore, RedisHotStore
@@ -282,9 +282,9 @@ class Dedup:
         """The ledger commit of ``rows``, then their Redis index update."""
         # completed_at starts the key's window: stamped by the clock the window runs on.
         now = self.hot.now_ms()
-        ledger = ledger_rows(rows, group=self.config.group, batch_id=batch_id, now_ms=now)
-        results = "result" in rows.columns.column_names
-        commit_rows = with_payload(ledger, payload, results=results, now_ms=now)
+        committed = commit_rows(
+            rows, payload, group=self.config.group, batch_id=batch_id, now_ms=now
+        )
         strict = self.config.mode is DedupMode.STRICT
         # When the commit cannot check the versions since the claim one by one, it MERGEs
         # on the rows completed within a horizon before the claim. A lease kept every
@@ -296,7 +296,7 @@ class Dedup:
         claimed_at = now if rows.claimed_at_ms is None else min(now, rows.claimed_at_ms)
         app = app_id or f"idem:{self.config.group}:{rows.owner}"
         result = self.ledger.commit(
-            commit_rows,
+            committed,
             app_id=app,
             txn_version=batch_id,
             match_since_ms=claimed_at - window,

@@ -59,6 +59,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from idem.arrow_text import repeat_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _files, _log, _sql
@@ -72,6 +73,7 @@ from idem.ledger.schema import (
     check_ledger_table,
     conform,
     date_of_ms,
+    datetime_of_ms,
     describe_ledger,
     first_per_key,
     recorded_writer,
@@ -507,7 +509,7 @@ class DeltaLedger:
         return _StagedFiles(
             actions=actions,
             written=written,
-            keys=fresh.column("key").combine_chunks(),
+            keys=fresh.column("key"),
             schema=source.schema,
             filesystem=filesystem,
         )
@@ -791,13 +793,16 @@ class _StagedFiles:
 
     actions: list[AddAction]
     written: list[str]
-    keys: pa.Array
+    keys: pa.ChunkedArray
     schema: pa.Schema
     filesystem: pafs.FileSystem
 
     def holds_any(self, keys: pa.Array) -> bool:
-        """Whether any of ``keys`` is among the rows written."""
-        return bool(pc.any(pc.is_in(keys, value_set=self.keys)).as_py())
+        """Whether any of ``keys`` is among the rows written (``keys`` is the small side:
+        the keys another writer added meanwhile)."""
+        if len(keys) == 0:
+            return False
+        return bool(pc.any(pc.is_in(self.keys, value_set=keys)).as_py())
 
     def commit_to(self, table: DeltaTable, app_id: str, txn_version: int) -> None:
         """Append the files at the table's next version, with the batch's txn, or raise
@@ -871,8 +876,7 @@ class _Source:
     def streaming(cls, staged: StagedRows, *, now_ms: int) -> _Source:
         """``staged`` stamped at its ``completed_at_ms`` (else ``now_ms``), one row per key."""
         at = now_ms if staged.completed_at_ms is None else staged.completed_at_ms
-        ledger_columns = [n for n in staged.keys.column_names if n in LEDGER_SCHEMA.names]
-        index = _stamped(staged.keys.select(ledger_columns), at)
+        index = _staged_index(staged.keys, at)
         repeated = _repeated(index.column("key"))
         if repeated:
             raise LedgerError(
@@ -930,6 +934,48 @@ def _repeated(keys: pa.ChunkedArray) -> int:
         same = pc.equal(window.slice(1), window.slice(0, len(window) - 1))
         repeated += int(pc.sum(same).as_py() or 0)
     return repeated
+
+
+_STAGED_INDEX = pa.schema(
+    [LEDGER_SCHEMA.field(name) for name in ("bucket", "key", "fingerprint", "completed_at")]
+)
+"""What a commit of staged rows holds of each: its checks and the keys it added read these."""
+
+
+def _staged_index(keys: pa.Table, now_ms: int) -> pa.Table:
+    """The :data:`_STAGED_INDEX` columns of staged rows' ledger columns ``keys``, every row
+    completed at ``now_ms``.
+
+    The other ledger columns are read from the files as the rows are written, so
+    none is built here: for a batch of millions of rows each would cost the
+    committing process a column's worth of memory.
+    """
+    missing = sorted({"bucket", "key"} - set(keys.column_names))
+    if missing:
+        raise LedgerError(f"staged rows: missing required column(s) {', '.join(missing)}")
+    size = keys.num_rows
+    at = pa.scalar(datetime_of_ms(now_ms), type=pa.timestamp("us", tz="UTC"))
+    columns: list[pa.Array | pa.ChunkedArray] = []
+    for field in _STAGED_INDEX:
+        if field.name == "completed_at":
+            columns.append(pa.repeat(at, size))
+            continue
+        if field.name not in keys.column_names:  # no fingerprint: ""
+            columns.append(repeat_text("", size))
+            continue
+        column = keys.column(field.name)
+        try:
+            column = column.cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise LedgerError(f"staged rows: column {field.name!r}: {exc}") from exc
+        if field.name == "fingerprint" and column.null_count:
+            column = pc.fill_null(column, "")
+        if column.null_count:
+            raise LedgerError(
+                f"staged rows: column {field.name!r} holds {column.null_count} null(s)"
+            )
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=_STAGED_INDEX)
 
 
 def _stamped(rows: pa.Table, now_ms: int) -> pa.Table:

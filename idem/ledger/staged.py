@@ -33,10 +33,12 @@ class StagedRows:
     """Rows of a commit kept in files, their ledger columns in memory.
 
     Args:
-        keys: The rows' ledger columns, one row per staged row, in any order: at
-            least ``group``, ``bucket``, ``key``; never the user's payload. Each
-            key appears once (a commit refuses repeated keys: it could not tell
-            which of the staged copies is the first).
+        keys: The ledger columns the commit decides with, one row per staged row,
+            in any order: ``bucket`` and ``key``, and ``fingerprint`` (absent:
+            ``""``); never the user's payload. Other columns are ignored: the
+            files hold every ledger column the table gets. Each key appears once
+            (a commit refuses repeated keys: it could not tell which of the staged
+            copies is the first).
         schema: The schema of the staged rows (ledger columns and the user's).
         open: Opens a reader over every staged row, every column; it must yield
             the same rows each time it is called.
