@@ -223,7 +223,7 @@ def driver_child(args: argparse.Namespace, table: Path) -> dict[str, Any]:
             seed_columns, seed = staged(args.seed)
             first = ClaimedRows(owner="bench-seed", columns=seed_columns, held=False)
             dedup.complete_rows(first, batch_id=0, app_id="bench-seed", payload=seed)
-            seed_columns = seed = None  # type: ignore[assignment]
+            del seed_columns, seed
             before = rss()
             peak = Peak()
             started = time.perf_counter()
