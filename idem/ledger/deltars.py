@@ -59,7 +59,6 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from idem.arrow_text import repeat_text
 from idem.clock import SYSTEM_CLOCK, Clock
 from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _files, _log, _sql
@@ -72,11 +71,13 @@ from idem.ledger.schema import (
     LedgerIdentity,
     check_ledger_table,
     conform,
+    conformed_column,
     date_of_ms,
     datetime_of_ms,
     describe_ledger,
     first_per_key,
     recorded_writer,
+    require_columns,
     to_index_rows,
 )
 from idem.ledger.staged import StagedRows
@@ -950,31 +951,11 @@ def _staged_index(keys: pa.Table, now_ms: int) -> pa.Table:
     none is built here: for a batch of millions of rows each would cost the
     committing process a column's worth of memory.
     """
-    missing = sorted({"bucket", "key"} - set(keys.column_names))
-    if missing:
-        raise LedgerError(f"staged rows: missing required column(s) {', '.join(missing)}")
-    size = keys.num_rows
+    require_columns(keys, ("bucket", "key"), what="staged rows")
     at = pa.scalar(datetime_of_ms(now_ms), type=pa.timestamp("us", tz="UTC"))
-    columns: list[pa.Array | pa.ChunkedArray] = []
-    for field in _STAGED_INDEX:
-        if field.name == "completed_at":
-            columns.append(pa.repeat(at, size))
-            continue
-        if field.name not in keys.column_names:  # no fingerprint: ""
-            columns.append(repeat_text("", size))
-            continue
-        column = keys.column(field.name)
-        try:
-            column = column.cast(field.type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise LedgerError(f"staged rows: column {field.name!r}: {exc}") from exc
-        if field.name == "fingerprint" and column.null_count:
-            column = pc.fill_null(column, "")
-        if column.null_count:
-            raise LedgerError(
-                f"staged rows: column {field.name!r} holds {column.null_count} null(s)"
-            )
-        columns.append(column)
+    if "completed_at" in keys.column_names:
+        keys = keys.drop_columns(["completed_at"])  # every row is completed now
+    columns = [conformed_column(keys, field, now=at, what="staged rows") for field in _STAGED_INDEX]
     return pa.Table.from_arrays(columns, schema=_STAGED_INDEX)
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from idem.arrow_text import repeat_text
 from idem.errors import ConfigError, LedgerError
 
 PARTITION_COLUMNS: tuple[str, ...] = ("bucket", "completed_date")
@@ -85,26 +86,13 @@ def conform(rows: pa.Table, *, now_ms: int) -> pa.Table:
     with the time. Raises :class:`LedgerError` naming the
     column when a required one is missing or null, or a value cannot be cast.
     """
-    missing = sorted(REQUIRED_COLUMNS - set(rows.column_names))
-    if missing:
-        raise LedgerError(f"rows: missing required column(s) {', '.join(missing)}")
-    n = rows.num_rows
+    require_columns(rows, REQUIRED_COLUMNS)
     now = pa.scalar(datetime_of_ms(now_ms), type=pa.timestamp("us", tz="UTC"))
-    columns: list[pa.Array | pa.ChunkedArray] = []
-    for field in LEDGER_SCHEMA:
-        if field.name == "completed_date":
-            continue
-        if field.name in rows.column_names:
-            column = _cast(rows.column(field.name), field)
-        else:
-            column = pa.nulls(n, field.type)
-        if field.name == "completed_at":
-            column = pc.fill_null(column, now)
-        elif field.name == "fingerprint":
-            column = pc.fill_null(column, "")
-        if not field.nullable and column.null_count:
-            raise LedgerError(f"rows: column {field.name!r} holds {column.null_count} null(s)")
-        columns.append(column)
+    columns = [
+        conformed_column(rows, field, now=now)
+        for field in LEDGER_SCHEMA
+        if field.name != "completed_date"
+    ]
     completed_at = columns[LEDGER_SCHEMA.get_field_index("completed_at")]
     date_index = LEDGER_SCHEMA.get_field_index("completed_date")
     columns.insert(date_index, pc.cast(completed_at, pa.date32()))
@@ -115,7 +103,37 @@ def conform(rows: pa.Table, *, now_ms: int) -> pa.Table:
     return table
 
 
-def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+def require_columns(rows: pa.Table, required: Iterable[str], *, what: str = "rows") -> None:
+    """Raise :class:`LedgerError` naming the ``required`` columns ``rows`` lacks."""
+    missing = sorted(set(required) - set(rows.column_names))
+    if missing:
+        raise LedgerError(f"{what}: missing required column(s) {', '.join(missing)}")
+
+
+def conformed_column(
+    rows: pa.Table, field: pa.Field, *, now: pa.Scalar, what: str = "rows"
+) -> pa.ChunkedArray | pa.Array:
+    """The ledger column ``field`` of ``rows`` as :func:`conform` makes it: cast to its
+    type (nulls when absent), a null ``fingerprint`` ``""``, a null ``completed_at``
+    ``now``. Raises :class:`LedgerError` naming the column when a value cannot be cast
+    or the column may not hold the nulls left."""
+    column: pa.ChunkedArray | pa.Array
+    if field.name in rows.column_names:
+        column = _cast(rows.column(field.name), field, what)
+    elif field.name == "fingerprint":
+        column = repeat_text("", rows.num_rows)
+    else:
+        column = pa.nulls(rows.num_rows, field.type)
+    if field.name == "completed_at":
+        column = pc.fill_null(column, now)
+    elif field.name == "fingerprint" and column.null_count:
+        column = pc.fill_null(column, "")
+    if not field.nullable and column.null_count:
+        raise LedgerError(f"{what}: column {field.name!r} holds {column.null_count} null(s)")
+    return column
+
+
+def _cast(column: pa.ChunkedArray, field: pa.Field, what: str) -> pa.ChunkedArray:
     if column.type == field.type:
         return column
     try:
@@ -125,7 +143,7 @@ def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
         return pc.cast(column, field.type)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         raise LedgerError(
-            f"rows: column {field.name!r} of type {column.type} cannot become {field.type}: {exc}"
+            f"{what}: column {field.name!r} of type {column.type} cannot become {field.type}: {exc}"
         ) from exc
 
 
