@@ -28,7 +28,7 @@ from idem.commit_rows import claimed_rows, commit_rows
 from idem.config import DedupMode, IdemConfig
 from idem.errors import StoreUnavailable
 from idem.hotstore import CompleteResult, HotStore, RedisHotStore
-from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats, OwnCommits
+from idem.indexer import CATCH_UP_GRACE_MS, Indexer, IndexStats, OwnCommits, WindowLoad
 from idem.keys import group_by_bucket
 from idem.ledger import Ledger, open_ledger
 from idem.ledger.staged import StagedRows
@@ -99,6 +99,9 @@ class Dedup:
         catch_up_grace_ms: How long a claim waits, when the ledger is ahead of
             the Redis index, for the writer of the newer commits to index them
             before it loads them from the ledger itself.
+        load_window: Where a rebuild of the Redis index loads the ledger's dedup
+            window (the Spark glue passes one that runs on the executors); by
+            default this process reads it and indexes it.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class Dedup:
         ledger: Ledger | None = None,
         clock: Clock = SYSTEM_CLOCK,
         catch_up_grace_ms: int = CATCH_UP_GRACE_MS,
+        load_window: WindowLoad | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -117,7 +121,13 @@ class Dedup:
         self.ledger: Ledger = ledger or open_ledger(config)
         self._own = OwnCommits()
         self.index = Indexer(
-            config, self.hot, self.ledger, clock, grace_ms=catch_up_grace_ms, own=self._own
+            config,
+            self.hot,
+            self.ledger,
+            clock,
+            grace_ms=catch_up_grace_ms,
+            own=self._own,
+            load_window=load_window,
         )
         self._pool: ThreadPoolExecutor | None = None
         self._indexing: Future[CompleteResult] | None = None

@@ -97,6 +97,7 @@ COMPLETE_CHUNK = 1_000  # keys per complete call
 INDEX_CHUNK = 5_000  # keys per ledger-load call
 INDEX_CHUNKS_PER_PIPELINE = 8  # so a window rebuild never buffers everything at once
 SETTLE_LOOKUPS = 50_000  # lookups per settle call: ~15 ms of Redis time, then others run
+SETTLE_CALLS_PER_PIPELINE = 8  # so settling tens of millions of keys is many short round trips
 SESSION_TTL_MS = 600_000  # life of the chunk counter of an unfinished complete/load
 RENEW_SCAN = 1_000  # keys an owner's renewal looks at per call (see renew.lua)
 MAX_OWNER_CHARS = 256
@@ -760,6 +761,9 @@ class RedisHotStore:
             for _ in range(SETTLE_LOOKUPS, size, SETTLE_LOOKUPS):
                 self._settle(keys=[name], args=[SETTLE_LOOKUPS], client=pipes.pipe(tag))
                 queued += 1
+                if queued == SETTLE_CALLS_PER_PIPELINE:  # a round trip well inside the timeout
+                    self._run(pipes, "settle")
+                    pipes, queued = self._pipes(), 0
         if queued:
             self._run(pipes, "settle")
         return sum(sizes)

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,7 +30,7 @@ import pyarrow.compute as pc
 from idem.clock import Clock
 from idem.config import IdemConfig
 from idem.hotstore import HotStore
-from idem.ledger import Ledger
+from idem.ledger import INDEX_SCHEMA, Ledger
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,36 @@ class IndexStats:
     caught_up_keys: int = 0
     writer_waits: int = 0
     writer_waits_ms: int = 0
+
+
+@dataclass(frozen=True)
+class RebuiltWindow:
+    """What a :class:`WindowLoad` put into Redis."""
+
+    version: int
+    """The ledger version whose window was loaded."""
+    keys: int
+    """Keys read from the ledger's window."""
+    buckets: frozenset[int]
+    """Buckets that held keys in the window (each loaded whole, with its watermark)."""
+
+
+class WindowLoad(Protocol):
+    """Loads the ledger's dedup window into Redis somewhere other than this process.
+
+    The Spark glue's implementation runs it on the executors, bucket by bucket, so
+    a window of millions of keys never reaches the driver. Called by a claim's
+    catch-up for buckets whose watermark is gone or whose missed versions left
+    the ledger's log; it must load every key of a bucket in one
+    :meth:`~idem.hotstore.HotStore.index_completed` call (so its watermark moves
+    only once the whole bucket is in), and must not touch a bucket it reports
+    no keys for: the caller moves those buckets' watermarks itself.
+    """
+
+    def __call__(self, marks: Mapping[int, int | None], since_ms: int) -> RebuiltWindow:
+        """Load the keys completed since ``since_ms`` of the buckets in ``marks``; a
+        bucket's value is the ``from_version`` of its load (``None``: a rebuild)."""
+        ...
 
 
 class OwnCommits:
@@ -102,8 +133,10 @@ class Indexer:
         *,
         grace_ms: int = CATCH_UP_GRACE_MS,
         own: OwnCommits | None = None,
+        load_window: WindowLoad | None = None,
     ) -> None:
         self._config = config
+        self._load_window = load_window
         self._hot = hot
         self._ledger = ledger
         self._clock = clock
@@ -168,50 +201,60 @@ class Indexer:
         return marks
 
     def _rebuild(self, buckets: Sequence[int]) -> None:
-        since = self._hot.now_ms() - self._config.dedup_window_ms
-        snapshot = self._ledger.window(since, buckets)
+        version, keys = self._window(dict.fromkeys(buckets))
         log.info(
-            "rebuilding the Redis index of %d bucket(s) from ledger version %d (%d keys)",
+            "rebuilt the Redis index of %d bucket(s) from ledger version %d (%d keys)",
             len(buckets),
-            snapshot.version,
-            snapshot.keys.num_rows,
+            version,
+            keys,
         )
         self.stats.rebuilt_buckets += len(buckets)
-        self.stats.rebuilt_keys += snapshot.keys.num_rows
-        by_bucket = _split_by_bucket(snapshot.keys, buckets)
-        for bucket in buckets:
+        self.stats.rebuilt_keys += keys
+        self._hot.settle_index(buckets)
+
+    def _window(self, marks: Mapping[int, int | None]) -> tuple[int, int]:
+        """Load the dedup window of the buckets in ``marks`` (each one's ``from_version``)
+        into Redis; the version loaded and the keys read."""
+        since = self._hot.now_ms() - self._config.dedup_window_ms
+        if self._load_window is not None:
+            loaded = self._load_window(marks, since)
+            version, keys, done = loaded.version, loaded.keys, loaded.buckets
+        else:
+            snapshot = self._ledger.window(since, list(marks))
+            version, keys, done = snapshot.version, snapshot.keys.num_rows, frozenset()
+            self._index(snapshot.keys, marks, version)
+        for bucket in marks.keys() - done:  # buckets with no key in the window
+            self._index(INDEX_SCHEMA.empty_table(), {bucket: marks[bucket]}, version)
+        return version, keys
+
+    def _index(self, table: pa.Table, marks: Mapping[int, int | None], version: int) -> None:
+        """Index ``table`` (as :data:`~idem.ledger.INDEX_SCHEMA`) into the buckets of
+        ``marks``, each load from its ``from_version`` up to ``version``."""
+        by_bucket = index_rows_by_bucket(table, marks)
+        for bucket, mark in marks.items():
             keys, prints, ats = by_bucket.get(bucket, ([], [], []))
             self._hot.index_completed(
-                bucket, keys, prints, ats, to_version=snapshot.version, from_version=None
+                bucket, keys, prints, ats, to_version=version, from_version=mark
             )
-        self._hot.settle_index(buckets)
 
     def _load_missed(self, behind: Mapping[int, int]) -> None:
         changes = self._ledger.keys_added_since(min(behind.values()))
         if changes is None:
-            # The versions we missed were cleaned from the log: rebuild from the window.
-            log.warning("ledger log no longer holds the missed versions; rebuilding the window")
-            since = self._hot.now_ms() - self._config.dedup_window_ms
-            snapshot = self._ledger.window(since, list(behind))
-            table, to_version = snapshot.keys, snapshot.version
-        else:
-            table, to_version = changes.keys, changes.version
-            self.stats.caught_up_versions += to_version - min(behind.values())
-            self.stats.caught_up_keys += table.num_rows
-        by_bucket = _split_by_bucket(table, behind)
-        for bucket, mark in behind.items():
-            keys, prints, ats = by_bucket.get(bucket, ([], [], []))
-            self._hot.index_completed(
-                bucket, keys, prints, ats, to_version=to_version, from_version=mark
-            )
-        if changes is None:
+            # The versions we missed were cleaned from the log: load them from the window.
+            log.warning("ledger log no longer holds the missed versions; loading the window")
+            self._window(behind)
             self._hot.settle_index(list(behind))
+            return
+        self.stats.caught_up_versions += changes.version - min(behind.values())
+        self.stats.caught_up_keys += changes.keys.num_rows
+        self._index(changes.keys, behind, changes.version)
 
 
-def _split_by_bucket(
+def index_rows_by_bucket(
     table: pa.Table, buckets: Iterable[int]
 ) -> dict[int, tuple[list[str], list[str], list[int]]]:
-    """Columns ``bucket, key, fingerprint, completed_at_ms`` split per wanted bucket."""
+    """Rows of :data:`~idem.ledger.INDEX_SCHEMA` (``bucket, key, fingerprint,
+    completed_at_ms``) as keys, fingerprints and times per wanted bucket that has any."""
     out: dict[int, tuple[list[str], list[str], list[int]]] = {}
     if table.num_rows == 0:
         return out

@@ -42,6 +42,7 @@ from idem.clock import SYSTEM_CLOCK, Clock
 from idem.config import IdemConfig, LedgerEngine
 from idem.dedup import Dedup
 from idem.errors import ConfigError
+from idem.ledger import open_ledger
 from idem.ledger.schema import LEDGER_SCHEMA
 from idem.redis_client import connect
 from idem.redis_cluster import RedisClient
@@ -61,6 +62,7 @@ from idem.spark.rows import RowCodec
 from idem.spark.sink_result import SinkFunction, quoted
 from idem.spark.stats import StatsStore
 from idem.spark.verdicts import HASH_COLUMN, safe_names
+from idem.spark.window_load import executor_window_load
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -145,7 +147,15 @@ class ExactlyOnce:
     def dedup(self) -> Dedup:
         """The group's dedup protocol object."""
         if self._dedup is None:
-            self._dedup = Dedup(self._ledger_config(), client=self.client, clock=self.clock)
+            config = self._ledger_config()
+            ledger = open_ledger(config)
+            self._dedup = Dedup(
+                config,
+                client=self.client,
+                clock=self.clock,
+                ledger=ledger,
+                load_window=executor_window_load(ledger, config, self.clock),
+            )
             self._dedup.check()
         return self._dedup
 

@@ -451,18 +451,29 @@ class SparkDeltaLedger:
     # -- window, lookups, audit ------------------------------------------------------
 
     def window(self, since_ms: int, buckets: Iterable[int] | None = None) -> LedgerWindow:
-        """Rows completed since ``since_ms`` (partition-pruned), with the version read."""
+        """Rows completed since ``since_ms`` (partition-pruned), with the version read.
+
+        Gathers the rows on the driver; :meth:`window_frame` leaves them on the executors.
+        """
+        version, frame = self.window_frame(since_ms, buckets)
+        if frame is None:
+            return LedgerWindow(version, since_ms, INDEX_SCHEMA.empty_table())
+        return LedgerWindow(version, since_ms, to_index_rows(self._spark_read(frame.toArrow)))
+
+    def window_frame(
+        self, since_ms: int, buckets: Iterable[int] | None = None
+    ) -> tuple[int, DataFrame | None]:
+        """The version read and, as a DataFrame of ``bucket, key, fingerprint,
+        completed_at``, the rows completed since ``since_ms`` in ``buckets`` (default
+        all) as of it; ``None`` when there is no table yet or no bucket is wanted."""
         version = self.version()
         wanted = None if buckets is None else sorted({int(b) for b in buckets})
         if version < 0 or wanted == []:
-            return LedgerWindow(version, since_ms, INDEX_SCHEMA.empty_table())
+            return version, None
         frame = self._recent(since_ms, version)
         if wanted is not None:
             frame = frame.where(frame.bucket.isin(wanted))
-        rows = self._spark_read(
-            lambda: frame.select("bucket", "key", "fingerprint", "completed_at").toArrow()
-        )
-        return LedgerWindow(version, since_ms, to_index_rows(rows))
+        return version, frame.select("bucket", "key", "fingerprint", "completed_at")
 
     def _recent(self, since_ms: int | None, version: int | None = None) -> DataFrame:
         reader = self._spark.read.format("delta")

@@ -81,6 +81,35 @@ def test_copies_of_a_key_in_different_partitions_reach_the_sink_once(
     assert set(counts.values()) == {1}
 
 
+def test_after_redis_loses_its_index_the_ledgers_window_is_reloaded_and_copies_stay_out(
+    spark: SparkSession,
+    real_redis: redis.Redis,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    ledger_engine: str,
+) -> None:
+    # On delta-spark the window is loaded by the executors, bucket by bucket; on
+    # delta-rs by the driver. Either way every committed key is a duplicate again.
+    config = config_for(tmp_path, redis_server.url, "reload", engine=ledger_engine)
+    table = tmp_path / "orders"
+    sink = delta_sink(str(table), key="order_id", config=config, client=real_redis)
+    sink.query_id = "q"
+    assert sink.process(_spread(spark, keys=400, copies=1, partitions=4), 0).applied == 400
+    sink.close()
+    real_redis.flushall()  # an empty Redis: every bucket's watermark is gone
+
+    again = delta_sink(str(table), key="order_id", config=config, client=real_redis)
+    again.query_id = "q"
+    outcome = again.process(_spread(spark, keys=500, copies=2, partitions=6), 1)
+    assert outcome.applied == 100  # ORDERID_400 .. ORDERID_499
+    assert outcome.duplicates == {"in_batch": 500, "completed": 400}
+    stats = again.dedup.stats
+    assert (stats.rebuilt_buckets, stats.rebuilt_keys) == (config.buckets, 400)
+    counts = sink_key_counts(table)
+    assert len(counts) == 500
+    assert set(counts.values()) == {1}
+
+
 @pytest.mark.parametrize("policy", [MismatchPolicy.WARN, MismatchPolicy.DEAD_LETTER])
 def test_copies_of_a_key_that_disagree_follow_the_mismatch_policy(
     spark: SparkSession,
