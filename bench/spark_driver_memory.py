@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows of the big batch")
     parser.add_argument("--small", type=int, default=100_000, help="rows of the reference batch")
+    parser.add_argument(
+        "--middle", type=int, help="rows of a batch between them, for the growth at the margin "
+        "(default: half of --rows; 0: none)",
+    )  # fmt: skip
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per driver")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
@@ -289,16 +293,20 @@ def main(argv: list[str] | None = None) -> int:
         return child(args.child, args.source, args.root, args.out, args.master)
     if args.quick:
         args.rows, args.small = 20_000, 2_000
+    if args.middle is None:
+        args.middle = args.rows // 2
     configs = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         parser.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     if not 0 < args.small < args.rows:
         parser.error("--small: must be above 0 and below --rows")
+    if args.middle and not args.small < args.middle < args.rows:
+        parser.error("--middle: must be between --small and --rows (or 0)")
 
     root = Path(tempfile.mkdtemp(prefix="idem-bench-driver-"))
     try:
-        sizes = (args.small, args.rows)
+        sizes = (args.small, *([args.middle] if args.middle else []), args.rows)
         for rows in sizes:
             write_batch(root / f"in-{rows}", rows)
         size = (root / f"in-{args.rows}" / "batch.parquet").stat().st_size
@@ -326,10 +334,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_summary(
-    results: Mapping[tuple[str, int], Mapping[str, Any]], configs: list[str], sizes: tuple[int, int]
+    results: Mapping[tuple[str, int], Mapping[str, Any]],
+    configs: list[str],
+    sizes: tuple[int, ...],
 ) -> None:
-    """Peak at the big batch against the small one, and growth per row, per configuration."""
-    small, big = sizes
+    """Peak at the big batch against the small one, and growth per row, per configuration:
+    from the small batch, and at the margin (from the middle one, when there is one).
+
+    The growth from the small batch also holds the buffers a small batch never fills
+    (a Parquet row group, a writer's buffer); the growth at the margin is what each
+    further row costs."""
+    small, big = sizes[0], sizes[-1]
     print(f"\ndriver peak (Python RSS + JVM RSS), {big:,} rows against {small:,}:")
     for config in configs:
         a, b = results[config, small], results[config, big]
@@ -343,7 +358,14 @@ def print_summary(
         target = ""
         if config.endswith("delta-spark"):
             target = f" [target <= 1.3x:{' met' if ratio <= 1.3 else ' NOT met'}]"
-        print(f"  {config:<25} {ratio:5.2f}x, {growth:7.1f} bytes of driver per row{target}")
+        margin = ""
+        if len(sizes) == 3 and results[config, sizes[1]]["status"] == "ok":
+            m = results[config, sizes[1]]
+            per_row = (b["peaks"]["driver"] - m["peaks"]["driver"]) / (big - sizes[1])
+            margin = f", {per_row:7.1f} per row from {sizes[1]:,} rows"
+        print(
+            f"  {config:<25} {ratio:5.2f}x, {growth:7.1f} bytes of driver per row{margin}{target}"
+        )
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@
 3. **commit** of the accepted rows: their ledger rows are made on the executors
    (:mod:`idem.spark.ledger_rows`); on the delta-spark engine they are one Spark
    MERGE and the Redis index update runs on the executors too; on the embedded
-   delta-rs engine the ledger columns — never the user's payload — come to the
-   driver, which commits them (a Delta sink's rows are staged as files by the
-   executors and streamed into the commit: :mod:`idem.spark.staging`);
+   delta-rs engine the executors stage the rows as files (a Delta sink's with
+   the user's columns) and the driver, reading back only the ledger columns it
+   decides with — never the user's payload — commits them, streaming the files
+   into the commit (:mod:`idem.spark.staging`);
 4. **send-back** of the rows that leave the batch (failed, bad, busy, mismatched
    by policy, not fitting the sink table): only these rows come to the driver;
 5. **record** of the batch's counters, then **ack** of the retry rows it consumed.
@@ -670,16 +671,18 @@ class MicroBatch:
             )
 
     def _commit_on_driver(self, claimed: ClaimedBatch, rows: DataFrame, offered: int) -> _Commit:
-        """The commit through :meth:`idem.dedup.Dedup.complete_rows`, with the ledger
-        columns gathered on the driver as Arrow: the delta-rs engine's path.
+        """The commit through :meth:`idem.dedup.Dedup.complete_rows` from the driver: the
+        delta-rs engine's path.
 
-        A Delta sink's own columns stay off the driver on delta-rs: the executors
-        stage the rows as files the commit streams (:mod:`idem.spark.staging`).
+        On a delta-rs ledger the executors stage the rows (a Delta sink's with its own
+        columns, a function sink's done-records) as files the commit streams
+        (:mod:`idem.spark.staging`); the driver reads back only the ledger columns it
+        decides with. Another ledger gets those columns gathered as Arrow.
         """
         s = self.setup
         ledger = s.dedup.ledger
         staging: Staging | None = None
-        if s.sink_columns and isinstance(ledger, DeltaLedger):
+        if isinstance(ledger, DeltaLedger):
             staging = Staging(ledger.path, self.app_id, self.batch_id)
         try:
             return self._complete(claimed, rows, staging)
@@ -690,7 +693,7 @@ class MicroBatch:
     def _complete(self, claimed: ClaimedBatch, rows: DataFrame, staging: Staging | None) -> _Commit:
         s = self.setup
         payload: StagedRows | None = None
-        if staging is None:  # a function sink: the ledger columns come to the driver
+        if staging is None:  # not a delta-rs ledger: the ledger columns come to the driver
             table = rows.select(*_DRIVER_COLUMNS).toArrow()
         else:  # the executors stage every column; the driver reads back the ledger's
             payload = staging.stage(rows, _DRIVER_COLUMNS)

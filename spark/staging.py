@@ -1,12 +1,13 @@
-"""A Delta sink's rows staged as Parquet by the executors, for the delta-rs engine's commit.
+"""A batch's ledger rows staged as Parquet by the executors, for the delta-rs engine's commit.
 
 The delta-rs engine commits from the driver. A Delta sink that is its own ledger
-writes the user's columns in that commit, and gathering them on the driver
-would bound a batch by ``spark.driver.maxResultSize`` and the driver's memory.
-Instead each task writes its rows (ledger columns and the user's, typed as the
+writes the user's columns in that commit, and a function sink's done-records
+are a row per key; gathering either on the driver would bound a batch by
+``spark.driver.maxResultSize`` and the driver's memory. Instead each task writes
+its rows (the ledger columns and, for a Delta sink, the user's, typed as the
 table wants them) to one Parquet file and returns only the file's path and row
-count; the driver gathers the ledger columns alone and the commit streams the
-files (:class:`idem.ledger.staged.StagedRows`).
+count; the driver reads back the columns it decides with and the commit streams
+the files (:class:`idem.ledger.staged.StagedRows`).
 
 The files go under ``<table>/_idem_staging/<query>/<batch>-<attempt>/``. Inside the
 table's directory they share its storage and credentials, and Delta never reads
