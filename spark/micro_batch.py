@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from idem.clock import Clock, SystemClock
+from idem.commit_rows import STAGED_COLUMNS
 from idem.config import DedupMode, MismatchPolicy
 from idem.dedup import Dedup
 from idem.errors import ConfigError, PayloadMismatch
@@ -696,7 +697,7 @@ class MicroBatch:
         if staging is None:  # not a delta-rs ledger: the ledger columns come to the driver
             table = rows.select(*_DRIVER_COLUMNS).toArrow()
         else:  # the executors stage every column; the driver reads back the ledger's
-            payload = staging.stage(rows, _DRIVER_COLUMNS)
+            payload = staging.stage(rows, STAGED_COLUMNS)
             table = payload.keys
         claim = ClaimedRows(
             owner=self.owner,
