@@ -44,15 +44,19 @@ at 10M keys, growing with the table), watermark / idem (>= 1x), idem / append
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -213,6 +217,52 @@ class IdemSink:
         self.outcomes.append(self.sink.last_outcome)
 
 
+# -- where the time goes: Spark's stages ---------------------------------------------------------
+
+PROFILE_STAGES = 6
+"""Stages (by call site) printed per variant, the costliest first."""
+
+
+def completed_stages(spark: Any) -> list[dict[str, Any]]:
+    """The driver's completed stages, from its own status API (the Spark UI on loopback)."""
+    url = spark.sparkContext.uiWebUrl
+    if not url:
+        return []
+    port = urllib.parse.urlsplit(url).port
+    app = spark.sparkContext.applicationId
+    query = f"http://127.0.0.1:{port}/api/v1/applications/{app}/stages?status=complete"
+    with urllib.request.urlopen(query) as reply:
+        return list(json.load(reply))
+
+
+def _ms(stamp: str) -> float:
+    """A status API time (``2026-01-01T10:00:00.123GMT``) in epoch milliseconds."""
+    parsed = dt.datetime.strptime(stamp.removesuffix("GMT"), "%Y-%m-%dT%H:%M:%S.%f")
+    return parsed.replace(tzinfo=dt.UTC).timestamp() * 1000
+
+
+def stage_profile(stages: list[dict[str, Any]], after: int, batches: int) -> list[dict[str, Any]]:
+    """The stages after stage id ``after`` summed by idem step (the jobs' description)
+    and call site, per batch, costliest first: wall time (submission to completion),
+    the tasks' run time and their CPU time."""
+    by: dict[str, dict[str, Any]] = {}
+    for stage in stages:
+        if stage["stageId"] <= after or "completionTime" not in stage:
+            continue
+        step = re.sub(r"idem \S+ batch \d+: ", "", stage.get("description") or "")
+        step = re.sub(r"version: \d+", "version: N", step)
+        site = (f"[{step}] " if step else "") + stage["name"].replace(str(HERE.parent) + "/", "")
+        entry = by.setdefault(site, {"site": site, "wall": 0.0, "run": 0.0, "cpu": 0.0})
+        entry["wall"] += (_ms(stage["completionTime"]) - _ms(stage["submissionTime"])) / 1000
+        entry["run"] += stage["executorRunTime"] / 1000
+        entry["cpu"] += stage["executorCpuTime"] / 1e9
+    per_batch = [
+        {**e, "wall": e["wall"] / batches, "run": e["run"] / batches, "cpu": e["cpu"] / batches}
+        for e in by.values()
+    ]
+    return sorted(per_batch, key=lambda e: -e["wall"])[:PROFILE_STAGES]
+
+
 # -- one variant -------------------------------------------------------------------------------
 
 
@@ -255,10 +305,13 @@ def run_variant(
     cpu = CpuMeter(server.pid if idem else None)
     began = [0.0]
 
+    last_stage = [0]
+
     def counted(df: Any, batch_id: int) -> None:
         if batch_id == 1:  # batch 0 pays for warm-ups: count from the second batch on
             cpu.start()
             began[0] = time.perf_counter()
+            last_stage[0] = max((st["stageId"] for st in completed_stages(spark)), default=0)
         sink(df, batch_id)
 
     with driver_peak(spark) as peak:
@@ -289,6 +342,7 @@ def run_variant(
         "median": statistics.median(times[1:] or times),
         "cpu": {k: v / counted_batches for k, v in cpu.seconds.items()},
         "peak": peak,
+        "stages": stage_profile(completed_stages(spark), last_stage[0], counted_batches),
         "table_rows": spark.read.format("delta").load(str(table)).count(),
         "each_key_once": keys + spec["batches"] * (rows - int(rows * spec["duplicates"])),
     }
@@ -323,13 +377,19 @@ def describe(result: Mapping[str, Any]) -> str:
         per_key = result["per_key_us"]
         shown = "n/a" if per_key is None else f"{per_key:.2f} us"
         lines.append(f"{'':20}steps (median s): {steps}; per-key work {shown}/row")
+    for stage in result.get("stages", []):
+        lines.append(
+            f"{'':20}stage {stage['wall']:7.3f} s/batch (tasks: run {stage['run']:.3f} s, "
+            f"CPU {stage['cpu']:.3f} s): {stage['site']}"
+        )
     return "\n".join(lines)
 
 
 def worker(spec_path: Path, out: Path) -> int:
     """The driver process of one master: every configuration and variant, results to ``out``."""
     spec = json.loads(spec_path.read_text())
-    spark = delta_session(spec["master"])
+    # The UI's status API (on loopback) gives the stages' times: where a batch's time goes.
+    spark = delta_session(spec["master"], {"spark.ui.enabled": "true"})
     server = RedisServer()
     server.start()
     results: list[dict[str, Any]] = []

@@ -190,8 +190,28 @@ class MicroBatch:
             observer.reached(point, self.batch_id)
 
     def run(self) -> BatchOutcome:
-        """Drive the batch through every step; the outcome is recorded in the group's stats."""
+        """Drive the batch through every step; the outcome is recorded in the group's stats.
+
+        The Spark jobs of each step carry its name as their description (in the
+        Spark UI and its status API: ``idem <group> batch <id>: claim``); the
+        description the thread had before is put back at the end.
+        """
+        context = self.prepared.sparkSession.sparkContext
+        before = context.getLocalProperty(_JOB_DESCRIPTION)
+        try:
+            return self._run()
+        finally:
+            context.setLocalProperty(_JOB_DESCRIPTION, before)  # type: ignore[arg-type]
+
+    def _describe(self, step: str) -> None:
+        """Name the Spark jobs that follow after this batch's ``step``."""
+        self.prepared.sparkSession.sparkContext.setJobDescription(
+            f"idem {self.setup.dedup.config.group} batch {self.batch_id}: {step}"
+        )
+
+    def _run(self) -> BatchOutcome:
         self._reached(CrashPoint.BEFORE_CLAIM)
+        self._describe("claim")
         s = self.setup
         # With leases, the claims are renewed from the moment the tasks make them (the
         # claim job, the sink and the commit may each outlast a lease) until the batch
@@ -225,10 +245,12 @@ class MicroBatch:
             s.stats.add("possible_repeats", retaken)
         own_before = self._count_own_commits(claimed) if self.attempt > 1 else 0
         self._steps.lap("claim")
+        self._describe("sink")
         self._reached(CrashPoint.AFTER_CLAIM)
         self._check_mismatches(claimed)
         failures = self._call_sink(claimed) if claimed.claimed else {}
         self._steps.lap("sink")
+        self._describe("commit")
         self._reached(CrashPoint.AFTER_SINK)
         leaving = self._leaving(claimed, failures)
         failed = self._failed_rows(leaving, failures)
@@ -239,9 +261,11 @@ class MicroBatch:
         if released and s.hold:
             s.dedup.hot.release(group_by_bucket(released, s.dedup.config.buckets), self.owner)
         self._steps.lap("commit")
+        self._describe("send-back")
         self._reached(CrashPoint.AFTER_COMMIT)
         tally = self._send_back(leaving, failures, commit.misfits)
         self._steps.lap("send_back")
+        self._describe("record")
         self._reached(CrashPoint.AFTER_SEND_BACK)
         retried = self._retried(claimed)
         mismatched = counts.get(Verdict.MISMATCHED, 0) + counts.get(Verdict.CONFLICTING, 0)
@@ -722,6 +746,9 @@ class MicroBatch:
             replayed=result.replayed,
         )
 
+
+_JOB_DESCRIPTION = "spark.job.description"
+"""The local property Spark shows as a job's description (``setJobDescription``)."""
 
 _DRIVER_COLUMNS = ("key", "fingerprint", "bucket", "msg_id", "origin_msg_id", "topic")
 """The ledger columns the driver's commit needs (the claim and the message ids)."""
