@@ -249,7 +249,9 @@ def stage_profile(stages: list[dict[str, Any]], after: int, batches: int) -> lis
     for stage in stages:
         if stage["stageId"] <= after or "completionTime" not in stage:
             continue
-        step = re.sub(r"idem \S+ batch \d+: ", "", stage.get("description") or "")
+        step = " ".join((stage.get("description") or "").split())
+        step = re.sub(r"id = \S+ runId = \S+ batch = \d+", "stream batch", step)
+        step = re.sub(r"idem \S+ batch \d+: ", "", step)
         step = re.sub(r"version: \d+", "version: N", step)
         site = (f"[{step}] " if step else "") + stage["name"].replace(str(HERE.parent) + "/", "")
         entry = by.setdefault(site, {"site": site, "wall": 0.0, "run": 0.0, "cpu": 0.0})
