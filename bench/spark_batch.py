@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -407,6 +408,9 @@ def worker(spec_path: Path, out: Path) -> int:
                     except Exception as exc:  # one variant's failure is reported, not fatal
                         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                         print(f"  {variant:<17} FAILED: {type(exc).__name__}: {first}", flush=True)
+                        where = traceback.extract_tb(exc.__traceback__)[-4:]
+                        for frame in where:  # where it failed: the innermost frames
+                            print(f"{'':20}at {frame.filename}:{frame.lineno} {frame.name}")
                         continue
                     results.append(result)
                     print(describe(result), flush=True)
