@@ -44,6 +44,10 @@ died or stalled costs the load, after this wait.
 """
 
 
+WINDOW_SHARES = 16
+"""A rebuild in this process reads the ledger's window in this many shares of the buckets."""
+
+
 @dataclass
 class IndexStats:
     """What keeping Redis a complete index of the ledger has cost so far."""
@@ -218,13 +222,20 @@ class Indexer:
         since = self._hot.now_ms() - self._config.dedup_window_ms
         if self._load_window is not None:
             loaded = self._load_window(marks, since)
-            version, keys, done = loaded.version, loaded.keys, loaded.buckets
-        else:
-            snapshot = self._ledger.window(since, list(marks))
-            version, keys, done = snapshot.version, snapshot.keys.num_rows, frozenset()
-            self._index(snapshot.keys, marks, version)
-        for bucket in marks.keys() - done:  # buckets with no key in the window
-            self._index(INDEX_SCHEMA.empty_table(), {bucket: marks[bucket]}, version)
+            version, keys = loaded.version, loaded.keys
+            for bucket in marks.keys() - loaded.buckets:  # buckets with no key in the window
+                self._index(INDEX_SCHEMA.empty_table(), {bucket: marks[bucket]}, version)
+            return version, keys
+        # A share of the buckets at a time (each read prunes to their partitions): this
+        # process holds about 1/WINDOW_SHARES of the window's keys at once.
+        wanted = sorted(marks)
+        step = max(1, -(-len(wanted) // WINDOW_SHARES))
+        version, keys = -1, 0
+        for start in range(0, len(wanted), step):
+            share = {bucket: marks[bucket] for bucket in wanted[start : start + step]}
+            snapshot = self._ledger.window(since, list(share))
+            self._index(snapshot.keys, share, snapshot.version)
+            version, keys = max(version, snapshot.version), keys + snapshot.keys.num_rows
         return version, keys
 
     def _index(self, table: pa.Table, marks: Mapping[int, int | None], version: int) -> None:

@@ -32,10 +32,8 @@ pytestmark = pytest.mark.integration
 def _config(tmp_path: Path, url: str, **extra: object) -> IdemConfig:
     # delta-rs named, not auto: the workers run in processes without the test run's Spark
     # session, and one ledger table has one writer engine.
-    settings: dict[str, object] = {"engine": "delta-rs", **extra}
-    return IdemConfig(
-        group="orders", redis_url=url, data_dir=str(tmp_path / "data"), buckets=8, **settings
-    )
+    settings: dict[str, object] = {"engine": "delta-rs", "buckets": 8, **extra}
+    return IdemConfig(group="orders", redis_url=url, data_dir=str(tmp_path / "data"), **settings)
 
 
 def _process(dd: Dedup, keys: list[str], owner: str, batch_id: int) -> list[str]:
@@ -110,23 +108,24 @@ def test_two_processes_claiming_the_same_keys_process_each_exactly_once(
 # -- (b) FLUSHALL between batches ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("buckets", [8, 37])  # 37: the window is read in uneven shares
 def test_flushall_between_batches_processes_no_completed_key_again(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer, buckets: int
 ) -> None:
     client = redis_server.client()
-    dd = _completed_500(tmp_path, redis_server)
+    dd = _completed_500(tmp_path, redis_server, buckets=buckets)
     client.flushall()
     rebuilt_before = dd.stats.rebuilt_buckets
 
     _claim_half_completed_half_new(dd, "q:1")
-    assert dd.stats.rebuilt_buckets - rebuilt_before == 8  # every bucket lost its watermark
+    assert dd.stats.rebuilt_buckets - rebuilt_before == buckets  # every watermark was lost
     assert dd.stats.rebuilt_keys == 500  # from the ledger's window, not from the batch
 
 
-def _completed_500(tmp_path: Path, redis_server: RedisServer) -> Dedup:
+def _completed_500(tmp_path: Path, redis_server: RedisServer, *, buckets: int = 8) -> Dedup:
     """A Dedup on an empty Redis that has processed ORDERID_0..499."""
     redis_server.client().flushall()
-    dd = Dedup(_config(tmp_path, redis_server.url))
+    dd = Dedup(_config(tmp_path, redis_server.url, buckets=buckets))
     first = [f"ORDERID_{i}" for i in range(500)]
     assert _process(dd, first, "q:0", 0) == first
     return dd
