@@ -23,16 +23,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from idem.clock import SYSTEM_CLOCK, ManualClock
 from idem.config import IdemConfig
-from idem.hotstore import RedisHotStore
 from idem.hotstore_types import HotStore
 from idem.spark.verdicts import (
     BUCKET_COLUMN,
     FINGERPRINT_TEXT_COLUMN,
     KEY_COLUMN,
-    redis_client,
     split_by_bucket,
+    task_store,
 )
 
 if TYPE_CHECKING:
@@ -103,11 +101,7 @@ class IndexTask:
             return
         table, order, keys, grouped = task
         prints = pc.fill_null(table.column(FINGERPRINT_TEXT_COLUMN), "").take(order).to_pylist()
-        store = RedisHotStore.from_config(
-            self.config,
-            client=redis_client(self.config.redis_url),
-            clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
-        )
+        store = task_store(self.config, self.now_ms)
         done = store.complete(
             grouped,
             self.owner,
@@ -180,9 +174,7 @@ class ReleaseTask:
         if task is None:
             return
         grouped = task[3]
-        store = RedisHotStore.from_config(
-            self.config, client=redis_client(self.config.redis_url), clock=SYSTEM_CLOCK
-        )
+        store = task_store(self.config)
         released = store.release(grouped, self.owner)
         yield pa.record_batch([pa.array([released], pa.int64())], names=["released"])
 

@@ -257,11 +257,7 @@ class ClaimTask:
         by_bucket = np.argsort(first_buckets, kind="stable")
         names = pc.take(keys, pa.array(first[by_bucket])).to_pylist()
         grouped = split_by_bucket(names, first_buckets[by_bucket])
-        store = RedisHotStore.from_config(
-            self.config,
-            client=redis_client(self.config.redis_url),
-            clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
-        )
+        store = task_store(self.config, self.now_ms)
         calls = store.start_claim(
             self.owner, min_version=self.min_version, hold=self.hold, track=self.track
         )
@@ -391,6 +387,13 @@ def redis_client(url: str) -> RedisClient:
         if client is None:
             client = _clients[url] = connect(url)
         return client
+
+
+def task_store(config: IdemConfig, now_ms: int | None = None) -> RedisHotStore:
+    """The group's Redis side for a task on an executor, on this worker's client for the
+    group's URL; ``now_ms`` is a test clock's instant (``None``: Redis's clock decides)."""
+    clock = SYSTEM_CLOCK if now_ms is None else ManualClock(now_ms)
+    return RedisHotStore.from_config(config, client=redis_client(config.redis_url), clock=clock)
 
 
 def bucket_sql(key: str, buckets: int) -> str:

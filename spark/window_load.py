@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from idem.clock import SYSTEM_CLOCK, Clock, ManualClock, SystemClock
+from idem.clock import SYSTEM_CLOCK, Clock, SystemClock
 from idem.config import IdemConfig
-from idem.hotstore import RedisHotStore
 from idem.indexer import RebuiltWindow, index_rows_by_bucket
 from idem.ledger.schema import to_index_rows
-from idem.spark.verdicts import redis_client
+from idem.spark.verdicts import task_store
 
 if TYPE_CHECKING:
     from idem.ledger import Ledger
@@ -57,11 +56,7 @@ class WindowLoadTask:
         rows = to_index_rows(pa.Table.from_batches(received))
         marks = dict(self.marks)
         by_bucket = index_rows_by_bucket(rows, marks)
-        store = RedisHotStore.from_config(
-            self.config,
-            client=redis_client(self.config.redis_url),
-            clock=SYSTEM_CLOCK if self.now_ms is None else ManualClock(self.now_ms),
-        )
+        store = task_store(self.config, self.now_ms)
         for bucket, (keys, prints, ats) in sorted(by_bucket.items()):
             store.index_completed(
                 bucket, keys, prints, ats, to_version=self.version, from_version=marks[bucket]
