@@ -13,8 +13,10 @@ commit of a batch of new keys:
   table's version, as a claim whose Redis index is current passes it);
 - delta-rs, MERGE: the insert-only MERGE restricted to the match horizon
   (``match_since_ms`` without ``match_after_version``);
-- delta-spark: its insert-only MERGE restricted to the match horizon, in a
-  local Spark session (``--master``, default ``local[2]``) with Delta's jars.
+- delta-spark, index mode: its checked append (Delta's transaction API, the
+  rows written by Spark), and its insert-only MERGE restricted to the match
+  horizon, in a local Spark session (``--master``, default ``local[2]``) with
+  Delta's jars.
 
 Delta's jars are looked up as the tests do (``tests/jvm/fetch.sh`` fills the
 cache). One untimed delta-spark commit warms the JVM up first. Median seconds
@@ -45,7 +47,7 @@ from idem.spark.session import local_session  # noqa: E402
 
 MATCH_HORIZON_MS = 10 * 60_000  # 2 x the default 5-minute lease, as idem.dedup passes
 WINDOW_MS = 7 * 86_400_000
-ENGINES = ("delta-rs append", "delta-rs merge", "delta-spark merge")
+ENGINES = ("delta-rs append", "delta-rs merge", "delta-spark append", "delta-spark merge")
 
 
 def _now_ms() -> int:
@@ -62,7 +64,7 @@ def linked_copy(source: str, target: str) -> str:
 def commit_seconds(ledger: Ledger, engine: str, n_keys: int, round_: int) -> float:
     """One commit of ``n_keys`` new keys, timed from the call to its return."""
     rows = batch_rows(fresh_keys(n_keys, round_=round_))
-    after = ledger.version() if engine == "delta-rs append" else None
+    after = ledger.version() if engine.endswith(" append") else None
     started = time.perf_counter()
     result = ledger.commit(
         rows,
@@ -98,6 +100,7 @@ def main() -> int:
     makers: dict[str, Callable[[str], Ledger]] = {
         "delta-rs append": lambda p: DeltaLedger(p, dedup_window_ms=WINDOW_MS),
         "delta-rs merge": lambda p: DeltaLedger(p, dedup_window_ms=WINDOW_MS),
+        "delta-spark append": lambda p: SparkDeltaLedger(spark, p, dedup_window_ms=WINDOW_MS),
         "delta-spark merge": lambda p: SparkDeltaLedger(spark, p, dedup_window_ms=WINDOW_MS),
     }
     medians: dict[tuple[str, int], float] = {}
@@ -139,7 +142,9 @@ def main() -> int:
         print(
             f"  {size:>12,}: delta-spark / delta-rs append "
             f"{spark_s / medians['delta-rs append', size]:.1f}x, "
-            f"delta-spark / delta-rs merge {spark_s / medians['delta-rs merge', size]:.1f}x"
+            f"delta-spark / delta-rs merge {spark_s / medians['delta-rs merge', size]:.1f}x, "
+            f"delta-spark merge / append "
+            f"{spark_s / medians['delta-spark append', size]:.1f}x"
         )
     if len(sizes) > 1:
         big, small = sizes[-1], sizes[0]

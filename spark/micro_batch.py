@@ -612,6 +612,7 @@ class MicroBatch:
                 app_id=self.app_id,
                 txn_version=self.batch_id,
                 match_since_ms=since,
+                match_after_version=None if strict else claimed.version,
             )
             if not result.replayed:
                 return self._landed(result, rows, rows, offered, now)

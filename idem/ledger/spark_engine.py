@@ -1,16 +1,27 @@
 """The delta-spark ledger engine, for Spark sessions that carry Delta's jars.
 
-Same contract as :class:`~idem.ledger.deltars.DeltaLedger`, written by Spark:
-a batch is one insert-only ``MERGE`` on ``(bucket, key)``, restricted to the
-recent rows of the target (``completed_date`` partitions and ``completed_at``
-statistics prune the rest). Exactly-once per batch uses Delta's idempotent
-writes: the session confs ``spark.databricks.delta.write.txnAppId`` /
+Same contract as :class:`~idem.ledger.deltars.DeltaLedger`, written by Spark.
+In index mode a batch is a *checked append*, as on delta-rs: the claim's Redis
+index covered every version up to the one it read, so only the keys later
+versions added are matched against the batch (read from the files they added),
+and the rest is written by the executors and committed in one Delta
+transaction opened on the version checked up to (:mod:`idem.ledger._spark_txn`);
+a commit by another writer since makes Delta refuse it, and the next attempt
+checks the new versions too. Its cost follows the batch, not the table. In
+strict mode, or when the versions since the claim are gone from the log, too
+many, or the batch brings new columns, a batch is one insert-only ``MERGE`` on
+``(bucket, key)``, restricted to the recent rows of the target
+(``completed_date`` partitions and ``completed_at`` statistics prune the rest).
+
+Exactly-once per batch uses Delta's idempotent writes: the checked append
+commits a ``SetTransaction`` of the batch's ``(appId, version)``, and for the
+MERGE the session confs ``spark.databricks.delta.write.txnAppId`` /
 ``txnVersion`` make Delta skip a write whose ``(appId, version)`` it already
-committed. Those confs belong to a session, so every write runs in its own
+committed. Those confs belong to a session, so every MERGE runs in its own
 clone of the caller's session (its settings and credentials, its own conf):
 two ledgers committing at once, or the application's own Delta writes in
 its session, never pick up another write's txn ids. A unique ``userMetadata``
-tag finds the commit in the log afterwards (none: Delta skipped a replay).
+tag finds the MERGE's commit in the log afterwards (none: Delta skipped a replay).
 
 What a commit inserted, the table's version, and the keys later versions
 added are read from ``_delta_log`` and the added files directly (on the
@@ -41,6 +52,7 @@ from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log
 from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
 from idem.ledger._hadoop import open_spark_log_store
+from idem.ledger._spark_txn import CONFLICTS, AppendTxn, is_conflict
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     ENGINE_PROPERTY,
@@ -71,6 +83,8 @@ _USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 _AUTO_MERGE = "spark.databricks.delta.schema.autoMerge.enabled"
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _DELTA_DEFAULT_RETENTION_HOURS = 168
+MAX_CHECKED_VERSIONS = 64
+"""More versions than this since the claim: MERGE on the recent rows instead of reading them."""
 _LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 _SPARK_DEFAULT_LISTING_PARALLELISM = "10000"
 
@@ -197,9 +211,11 @@ class SparkDeltaLedger:
     ) -> CommitResult:
         """Insert the ``rows`` whose key the ledger lacks, once per ``(app_id, txn_version)``.
 
-        One insert-only MERGE on ``(bucket, key)`` restricted to rows completed
-        at or after ``match_since_ms`` (``None``: the dedup window, strict
-        mode); ``match_after_version`` is not used (this engine always MERGEs).
+        With ``match_after_version`` (index mode: the claim's Redis index
+        covered every version up to it) it is a checked append
+        (:meth:`_append_checked`). Otherwise, or when that cannot be done, one
+        insert-only MERGE on ``(bucket, key)`` restricted to rows completed at
+        or after ``match_since_ms`` (``None``: the dedup window, strict mode).
         The first commit creates the table with its rows (version 0). Keys
         offered but not inserted are ``already_present``, read from the very
         commit that skipped them. Columns the ledger does not know are added to
@@ -227,8 +243,16 @@ class SparkDeltaLedger:
         )
         frame = session.createDataFrame(source)  # the batch's one trip into the JVM
         keys = source.column("key")
-        result = self._merge(session, frame, offered=source.num_rows, keys=lambda: keys,
-                             since=since, what=f"commit {app_id}/{txn_version}")  # fmt: skip
+        result = self._append_or_merge(
+            session,
+            frame,
+            offered=source.num_rows,
+            keys=lambda: keys,
+            app_id=app_id,
+            txn_version=txn_version,
+            since=since,
+            after_version=None if match_since_ms is None else match_after_version,
+        )
         if result.version is not None:
             added = source
             if result.already_present:
@@ -245,6 +269,7 @@ class SparkDeltaLedger:
         app_id: str,
         txn_version: int,
         match_since_ms: int | None,
+        match_after_version: int | None = None,
     ) -> CommitResult:
         """:meth:`commit` of rows that are a Spark DataFrame: written by the executors.
 
@@ -270,14 +295,140 @@ class SparkDeltaLedger:
         session = self._write_session(
             {_TXN_APP_ID: app_id, _TXN_VERSION: str(txn_version), _AUTO_MERGE: "true"}
         )
-        return self._merge(
+        return self._append_or_merge(
             session,
             frame,
             offered=offered,
             keys=lambda: frame.select("key").toArrow().column("key"),
+            app_id=app_id,
+            txn_version=txn_version,
             since=since,
-            what=f"commit {app_id}/{txn_version}",
+            after_version=None if match_since_ms is None else match_after_version,
         )
+
+    def _append_or_merge(
+        self,
+        session: SparkSession,
+        frame: DataFrame,
+        *,
+        offered: int,
+        keys: Callable[[], pa.ChunkedArray],
+        app_id: str,
+        txn_version: int,
+        since: int | None,
+        after_version: int | None,
+    ) -> CommitResult:
+        """The checked append after ``after_version`` where it can be made, else the MERGE."""
+        what = f"commit {app_id}/{txn_version}"
+        if after_version is not None and self.version() >= 0:
+            checked = self._append_checked(
+                frame, offered=offered, app_id=app_id, txn_version=txn_version,
+                after_version=after_version, what=what,
+            )  # fmt: skip
+            if checked is not None:
+                return checked
+        return self._merge(session, frame, offered=offered, keys=keys, since=since, what=what)
+
+    def _append_checked(
+        self,
+        frame: DataFrame,
+        *,
+        offered: int,
+        app_id: str,
+        txn_version: int,
+        after_version: int,
+        what: str,
+    ) -> CommitResult | None:
+        """Append the rows of ``frame`` no version after ``after_version`` added.
+
+        Versions up to ``after_version`` are covered by the claim (Redis indexed
+        them before it answered "new"), so only keys later versions added can
+        collide: they are read from just the files those versions added (on the
+        driver, ledger columns only), and the rows holding them are left out by
+        a broadcast anti-join on the executors. The rest are written by the
+        executors and committed in one Delta transaction opened on the version
+        checked up to; a commit by any other writer since makes Delta refuse it,
+        and the next attempt checks the new versions too. ``None`` (the caller
+        MERGEs) when those versions are gone from the log or more than
+        :data:`MAX_CHECKED_VERSIONS`, or when ``frame`` brings columns the table
+        lacks or types it does not have (the MERGE evolves the schema).
+        """
+        checked = after_version
+        seen: list[pa.Array] = []
+        attempts = 0
+
+        def attempt() -> CommitResult | None:
+            nonlocal checked, attempts
+            attempts += 1
+            txn = AppendTxn(self._spark, self._path)
+            if txn.committed_txn(app_id) >= txn_version:
+                return CommitResult(version=None, inserted=0, replayed=True, attempts=attempts)
+            target = txn.read_version
+            if target - checked > MAX_CHECKED_VERSIONS:
+                return None
+            rows = self._in_table_order(frame, target)
+            if rows is None:
+                return None
+            if target > checked:
+                try:
+                    added, _ = self._added.since(checked, target)
+                except _log.HistoryGone:
+                    return None  # cannot read what came since: the caller MERGEs
+                if added.num_rows:
+                    seen.append(added.column("key").combine_chunks())
+                checked = target
+            fresh, already = rows, list[str]()
+            if seen:
+                fresh, already = self._without(rows, pa.concat_arrays(seen))
+            try:
+                version = txn.commit(
+                    fresh,
+                    app_id=app_id,
+                    txn_version=txn_version,
+                    now_ms=self._clock.now_ms(),
+                    tag=f"idem:{uuid.uuid4().hex}",
+                )
+            except Exception as exc:  # Py4J errors: a conflict is one of them
+                if is_conflict(exc):
+                    raise _Conflict(str(exc)) from exc
+                raise LedgerError(f"ledger {self._path}: write failed: {exc}") from exc
+            self._log.saw(version)
+            return CommitResult(
+                version=version,
+                inserted=offered - len(already),
+                already_present=already,
+                attempts=attempts,
+            )
+
+        return self._retrying(attempt, what=what)
+
+    def _in_table_order(self, frame: DataFrame, version: int) -> DataFrame | None:
+        """``frame``'s columns in the table's order at ``version``; ``None`` unless they
+        are the table's columns with the table's types."""
+        from pyspark.sql.types import StructType  # noqa: PLC0415 -- pyspark is loaded by now
+
+        schema = self._metadata(version).schema_string
+        if schema is None:
+            return None
+        table = StructType.fromJson(json.loads(schema))
+        ours = {field.name: field.dataType for field in frame.schema.fields}
+        theirs = {field.name: field.dataType for field in table.fields}
+        if ours != theirs:
+            return None
+        return frame.select(*table.fieldNames())
+
+    def _without(self, rows: DataFrame, added: pa.Array) -> tuple[DataFrame, list[str]]:
+        """``rows`` without the ``added`` keys, and which of their keys those were (only
+        those come to the driver)."""
+        from pyspark.sql import functions as F  # noqa: N812, PLC0415 -- Spark's convention
+
+        probe = self._spark.createDataFrame(pa.table({"key": pc.unique(added)}))
+        held = rows.join(F.broadcast(probe), "key", "left_semi").select("key")
+        already = [str(k) for k in self._spark_read(held.toArrow).column("key").to_pylist()]
+        if not already:
+            return rows, []
+        fresh = rows.join(F.broadcast(probe), "key", "left_anti").select(*rows.columns)
+        return fresh, already
 
     def _merge(
         self,
@@ -653,13 +804,6 @@ def _inserted(entry: _log.CommitEntry) -> int:
 def _conflict_exceptions() -> tuple[type[BaseException], ...]:
     """delta-spark's commit-conflict exceptions (no common base class in every version)."""
     delta_errors = importlib.import_module("delta.exceptions")
-    names = (
-        "ConcurrentWriteException",
-        "ConcurrentAppendException",
-        "ConcurrentDeleteReadException",
-        "ConcurrentDeleteDeleteException",
-        "ConcurrentTransactionException",
-        "MetadataChangedException",
-        "ProtocolChangedException",
+    return tuple(
+        getattr(delta_errors, name) for name in sorted(CONFLICTS) if hasattr(delta_errors, name)
     )
-    return tuple(getattr(delta_errors, name) for name in names if hasattr(delta_errors, name))

@@ -241,9 +241,9 @@ def test_two_writers_creating_the_ledger_at_once_insert_each_key_once(
 
 
 def test_an_index_mode_commit_checks_only_the_versions_after_its_claim(
-    tmp_path: Path, clock: ManualClock
+    make_ledger: MakeLedger, clock: ManualClock
 ) -> None:
-    ledger = DeltaLedger(str(tmp_path / "ledger"), clock=clock)
+    ledger = make_ledger()
     v0 = commit(ledger, ["A", "B"], clock, app="first").version
     clock.advance(10)
     v1 = commit(ledger, ["C"], clock, app="second").version
@@ -262,11 +262,10 @@ def test_an_index_mode_commit_checks_only_the_versions_after_its_claim(
 
 
 def test_index_mode_commits_racing_for_the_same_keys_insert_each_once(
-    tmp_path: Path, clock: ManualClock
+    make_ledger: MakeLedger, clock: ManualClock
 ) -> None:
     """Two writers whose claims both said "new" (a Redis failover hole), many rounds."""
-    path = str(tmp_path / "ledger")
-    writers = [DeltaLedger(path, clock=clock), DeltaLedger(path, clock=clock)]
+    writers = [make_ledger(), make_ledger()]
     commit(writers[0], ["seed"], clock, app="seed")
     results: list[Any] = []
     for round_ in range(6):
@@ -286,17 +285,17 @@ def test_index_mode_commits_racing_for_the_same_keys_insert_each_once(
 
 
 def test_an_index_mode_commit_merges_when_the_versions_to_check_are_cleaned(
-    tmp_path: Path, clock: ManualClock
+    make_ledger: MakeLedger, tmp_path: Path, clock: ManualClock
 ) -> None:
     path = tmp_path / "ledger"
-    ledger = DeltaLedger(str(path), clock=clock)
+    ledger = make_ledger()
     for txn in range(4):  # versions 0..3
         commit(ledger, [f"K{txn}"], clock, txn=txn)
     DeltaTable(str(path)).create_checkpoint()
     for version in range(2):
         (path / commit_name(version)).unlink()
 
-    fresh = DeltaLedger(str(path), clock=clock)
+    fresh = make_ledger()
     # Version 1 (K1) is gone from the log: the commit falls back to the MERGE on the
     # rows completed within the lease horizon, which still finds K1 and K3.
     result = commit(fresh, ["K1", "K3", "NEW"], clock, after=0, app="late")
