@@ -52,7 +52,7 @@ from idem.errors import ConfigError, LedgerConflict, LedgerError
 from idem.ledger import _log
 from idem.ledger._added import AddedKeys, keys_not_added, read_commit, read_index_file
 from idem.ledger._hadoop import open_spark_log_store
-from idem.ledger._spark_txn import CONFLICTS, AppendTxn, is_conflict
+from idem.ledger._spark_txn import AppendTxn, is_conflict
 from idem.ledger.base import ChangedKeys, CommitResult, CompactResult, LedgerWindow
 from idem.ledger.schema import (
     ENGINE_PROPERTY,
@@ -522,9 +522,9 @@ class SparkDeltaLedger:
         session.conf.set(_USER_METADATA, tag)
         try:
             write()
-        except _conflict_exceptions() as exc:
-            raise _Conflict(str(exc)) from exc
         except Exception as exc:  # Py4J / Spark errors have no common base
+            if is_conflict(exc):
+                raise _Conflict(str(exc)) from exc
             if creating and self._log.read() >= 0:
                 # Another writer created the table first: go again, as a MERGE.
                 raise _Conflict(f"the ledger was created concurrently: {exc}") from exc
@@ -799,11 +799,3 @@ def _inserted(entry: _log.CommitEntry) -> int:
     """Rows a commit inserted: a MERGE's ``numTargetRowsInserted``, a create's rows."""
     metrics = entry.metrics
     return int(metrics.get("numTargetRowsInserted", metrics.get("numOutputRows", 0)))
-
-
-def _conflict_exceptions() -> tuple[type[BaseException], ...]:
-    """delta-spark's commit-conflict exceptions (no common base class in every version)."""
-    delta_errors = importlib.import_module("delta.exceptions")
-    return tuple(
-        getattr(delta_errors, name) for name in sorted(CONFLICTS) if hasattr(delta_errors, name)
-    )
