@@ -297,7 +297,9 @@ def run_variant(
     sink: Sink
     idem: IdemSink | None = None
     if variant in IDEM_VARIANTS:
-        server.client().flushall()  # each idem run loads the table's keys afresh
+        # each idem run loads the table's keys afresh; a flush of millions of keys takes
+        # longer than redis-py's default 5 s read time-out
+        server.client(socket_timeout=None).flushall()
         idem = IdemSink(table, variant.split("/")[1], server, root / "run" / f"{name}-idem")
         sink = idem
     elif variant == "merge":
@@ -408,8 +410,10 @@ def worker(spec_path: Path, out: Path) -> int:
                     except Exception as exc:  # one variant's failure is reported, not fatal
                         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                         print(f"  {variant:<17} FAILED: {type(exc).__name__}: {first}", flush=True)
-                        where = traceback.extract_tb(exc.__traceback__)[-4:]
-                        for frame in where:  # where it failed: the innermost frames
+                        frames = traceback.extract_tb(exc.__traceback__)
+                        # where it failed: idem's and the benchmark's frames, then the innermost
+                        ours = [f for f in frames[:-2] if "site-packages" not in f.filename]
+                        for frame in ours + frames[-2:]:
                             print(f"{'':20}at {frame.filename}:{frame.lineno} {frame.name}")
                         continue
                     results.append(result)
