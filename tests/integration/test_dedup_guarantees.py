@@ -49,6 +49,19 @@ def _process(dd: Dedup, keys: list[str], owner: str, batch_id: int) -> list[str]
 START_BARRIER = "test:workers-started"
 """Counts the workers ready to claim (the test's FLUSHALL resets it)."""
 
+FIRST_CLAIMS = "test:first-claims"
+"""Counts the workers holding their first chunk's claims, not yet completed."""
+
+
+def _meet(url: str, barrier: str) -> None:
+    """Wait until both workers have reached ``barrier`` (at most 120 s)."""
+    meeting = redis.Redis.from_url(url)
+    meeting.incr(barrier)
+    deadline = time.monotonic() + 120
+    while int(meeting.get(barrier) or 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    meeting.close()
+
 
 def _worker(url: str, data_dir: str, name: str, seed: int, out: str) -> None:
     config = IdemConfig(group="orders", redis_url=url, data_dir=data_dir, buckets=8)
@@ -56,12 +69,7 @@ def _worker(url: str, data_dir: str, name: str, seed: int, out: str) -> None:
     keys = [f"ORDERID_{i}" for i in range(10_000)]
     random.Random(seed).shuffle(keys)
     # both start claiming together, however long each took to start (a loaded machine)
-    starting = redis.Redis.from_url(url)
-    starting.incr(START_BARRIER)
-    deadline = time.monotonic() + 120
-    while int(starting.get(START_BARRIER) or 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    starting.close()
+    _meet(url, START_BARRIER)
     todo = keys
     processed: list[str] = []
     batch_id = 0
@@ -70,6 +78,8 @@ def _worker(url: str, data_dir: str, name: str, seed: int, out: str) -> None:
         for start in range(0, len(todo), 1_000):
             chunk = todo[start : start + 1_000]
             claim = dd.begin(chunk, owner=f"{name}:{batch_id}")
+            if batch_id == 0:  # both hold a share before either completes: they compete
+                _meet(url, FIRST_CLAIMS)
             processed += claim.fresh_keys()  # the sink: every key written here counts
             retry += [chunk[i] for i in claim.busy]
             dd.complete(claim, batch_id=batch_id, app_id=f"worker:{name}")
