@@ -73,6 +73,8 @@ STALL_S = 30.0
 STOP_POLL_S = 0.25
 """How often a run's waits look whether Ctrl-C or SIGTERM asked it to stop."""
 
+_MIN_WAIT_S = 0.001
+
 STORE_WAIT_S = 300.0
 """How long ``idem run`` waits for Redis to answer again after its query failed on an
 outage, before it gives up (exit 1)."""
@@ -652,8 +654,8 @@ def _await(
     try:
         while stop is None or not stop.is_set():
             left = _left(deadline)
-            if left is not None and left <= 0:
-                break  # the time is up (Spark refuses to wait 0 s)
+            if left is not None and left < _MIN_WAIT_S:
+                break  # the time is up: Spark waits whole milliseconds and refuses 0
             wait = STOP_POLL_S if left is None else min(STOP_POLL_S, left)
             # Fractions of a second too: PySpark takes a float (its annotation says int).
             if query.awaitTermination(wait):  # type: ignore[arg-type]

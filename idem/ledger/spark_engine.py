@@ -40,6 +40,7 @@ import importlib
 import json
 import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -85,6 +86,11 @@ _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _DELTA_DEFAULT_RETENTION_HOURS = 168
 MAX_CHECKED_VERSIONS = 64
 """More versions than this since the claim: MERGE on the recent rows instead of reading them."""
+FIRST_COMMIT_WAIT_S = 60.0
+"""How long a writer whose create found another's ``_delta_log`` waits for that
+writer's first commit before calling the directory abandoned."""
+_FIRST_COMMIT_POLL_S = 0.05
+_ALREADY_EXISTS = "TABLE_OR_VIEW_ALREADY_EXISTS"
 _LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 _SPARK_DEFAULT_LISTING_PARALLELISM = "10000"
 
@@ -491,9 +497,32 @@ class SparkDeltaLedger:
                 .tableProperty("comment", describe_ledger(ENGINE, self._identity))
                 .create()
             )
-        except Exception:  # Py4J / Spark errors have no common base
-            if not concurrent_ok or self._log.read() < 0:
+        except Exception as exc:  # Py4J / Spark errors have no common base
+            if not concurrent_ok or not self._created_by_another(exc):
                 raise
+
+    def _created_by_another(self, exc: Exception) -> bool:
+        """Whether the create that raised ``exc`` lost to another writer's.
+
+        Delta calls the table there as soon as its ``_delta_log`` directory is,
+        which the other writer makes before its first commit is written: that
+        commit is waited for (in real time, up to :data:`FIRST_COMMIT_WAIT_S`).
+        A directory that stays without a commit raises :class:`LedgerError`.
+        """
+        if self._log.read() >= 0:
+            return True
+        if _ALREADY_EXISTS not in str(exc):
+            return False
+        give_up = time.monotonic() + FIRST_COMMIT_WAIT_S
+        while time.monotonic() < give_up:
+            time.sleep(_FIRST_COMMIT_POLL_S)
+            if self._log.read() >= 0:
+                return True
+        raise LedgerError(
+            f"ledger {self._path}: its _delta_log directory holds no commit after "
+            f"{FIRST_COMMIT_WAIT_S:.0f} s; a writer that was creating the table stopped "
+            "before its first commit: remove that _delta_log directory to create the ledger"
+        ) from exc
 
     def _write_session(self, confs: dict[str, str]) -> SparkSession:
         """A clone of the caller's session with ``confs`` set: its own conf, so the txn
@@ -525,7 +554,7 @@ class SparkDeltaLedger:
         except Exception as exc:  # Py4J / Spark errors have no common base
             if is_conflict(exc):
                 raise _Conflict(str(exc)) from exc
-            if creating and self._log.read() >= 0:
+            if creating and self._created_by_another(exc):
                 # Another writer created the table first: go again, as a MERGE.
                 raise _Conflict(f"the ledger was created concurrently: {exc}") from exc
             raise LedgerError(f"ledger {self._path}: write failed: {exc}") from exc

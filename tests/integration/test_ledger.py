@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -774,6 +775,40 @@ def test_a_spark_commit_reports_its_own_version_when_another_writer_follows_at_o
     path = Path(ours.path)
     entry = parse_commit(1, (path / commit_name(1)).read_bytes())
     assert entry.transactions == {"ours": 0}
+
+
+def test_a_spark_ledger_created_by_another_writer_between_its_log_and_its_first_commit(
+    spark_ledger: Callable[..., Any], clock: ManualClock, tmp_path: Path
+) -> None:
+    """Delta calls a table there once its ``_delta_log`` directory is, before the
+    creator's first commit lands: the losing create waits for it and goes in as a MERGE."""
+    commit(spark_ledger("theirs"), ["A"], clock, app="theirs")
+    theirs, ours = tmp_path / "theirs", tmp_path / "ledger"
+    shutil.copytree(theirs, ours, ignore=shutil.ignore_patterns("*.json", "*.crc"))
+    first = threading.Timer(
+        2.0, shutil.copy, (theirs / commit_name(0), ours / commit_name(0))
+    )  # the other writer's first commit, landing while ours waits
+    first.start()
+    try:
+        result = commit(spark_ledger(), ["A", "B"], clock, app="ours")
+    finally:
+        first.join()
+    assert (result.version, result.inserted, result.already_present) == (1, 1, ["A"])
+    assert ledger_keys(spark_ledger()) == ["A", "B"]
+
+
+def test_a_spark_ledger_whose_log_directory_never_gets_a_commit_names_it(
+    spark_ledger: Callable[..., Any],
+    clock: ManualClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from idem.ledger import spark_engine
+
+    monkeypatch.setattr(spark_engine, "FIRST_COMMIT_WAIT_S", 1.0)
+    (tmp_path / "ledger" / LOG_DIR).mkdir(parents=True)
+    with pytest.raises(LedgerError, match=r"_delta_log directory holds no commit after 1 s"):
+        commit(spark_ledger(), ["A"], clock, app="ours")
 
 
 def test_version_on_delta_spark_reads_the_log_and_runs_no_spark_job(

@@ -114,3 +114,20 @@ def test_available_now_with_a_timeout_stops_waiting_for_retries_and_leaves_them_
     assert sink_key_counts(tmp_path / "sink") == {"ORDERID_1": 1}
     assert report.pending_retries == 1  # scheduled, not dropped: the next run takes it
     assert report.dead_letters == 0
+
+
+@pytest.mark.parametrize("left_s", [0.0, 0.0004, 0.0009])
+def test_a_wait_ending_within_a_millisecond_of_its_deadline_returns_with_the_query_running(
+    spark: SparkSession, left_s: float
+) -> None:
+    """Spark waits on a query in whole milliseconds and refuses 0: the last fraction of a
+    millisecond before a run's deadline ends the wait instead of failing the run."""
+    from idem.spark.run import _await
+
+    query = spark.readStream.format("rate").load().writeStream.format("noop").start()
+    try:
+        _await(query, left_s)
+        assert query.isActive
+        assert query.exception() is None
+    finally:
+        query.stop()
