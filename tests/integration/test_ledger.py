@@ -778,17 +778,28 @@ def test_a_spark_commit_reports_its_own_version_when_another_writer_follows_at_o
 
 
 def test_a_spark_ledger_created_by_another_writer_between_its_log_and_its_first_commit(
-    spark_ledger: Callable[..., Any], clock: ManualClock, tmp_path: Path
+    spark_ledger: Callable[..., Any],
+    clock: ManualClock,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Delta calls a table there once its ``_delta_log`` directory is, before the
     creator's first commit lands: the losing create waits for it and goes in as a MERGE."""
+    from idem.ledger.spark_engine import SparkDeltaLedger
+
     commit(spark_ledger("theirs"), ["A"], clock, app="theirs")
     theirs, ours = tmp_path / "theirs", tmp_path / "ledger"
     shutil.copytree(theirs, ours, ignore=shutil.ignore_patterns("*.json", "*.crc"))
-    first = threading.Timer(
-        2.0, shutil.copy, (theirs / commit_name(0), ours / commit_name(0))
-    )  # the other writer's first commit, landing while ours waits
-    first.start()
+    # The other writer's first commit lands 1 s after our create failed, while ours waits.
+    first = threading.Timer(1.0, shutil.copy, (theirs / commit_name(0), ours / commit_name(0)))
+    real = SparkDeltaLedger._created_by_another
+
+    def once_our_create_failed(self: Any, exc: Exception) -> bool:
+        if not first.is_alive() and not (ours / commit_name(0)).exists():
+            first.start()
+        return real(self, exc)
+
+    monkeypatch.setattr(SparkDeltaLedger, "_created_by_another", once_our_create_failed)
     try:
         result = commit(spark_ledger(), ["A", "B"], clock, app="ours")
     finally:
